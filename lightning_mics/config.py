@@ -1,0 +1,126 @@
+"""The strategy's options as one validated dataclass.
+
+The same class is Hydra's structured config for ``conf/strategy/mics.yaml``, so a typo or a wrong type
+fails when Hydra composes the config, and a wrong value fails here, in ``__post_init__``, before any process
+group exists (a rank that raised alone inside a collective would leave the others hanging).
+
+Checks that need the world size (``sharded_data_parallel_degree`` must divide it) live in
+:meth:`MiCSConfig.validate_world`, called by the strategy before it creates any group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, List, Optional
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "16": torch.float16,
+}
+_KERNELS = ("auto", "triton", "torch")
+_STATE_DICT_TYPES = ("sharded", "full")
+
+
+def _fail(option: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"MiCSStrategy option {option}={value!r} is invalid: allowed is {allowed}.")
+
+
+def parse_dtype(option: str, value: Any) -> Optional[torch.dtype]:
+    """``None`` | a ``torch.dtype`` | a name such as ``"bf16"`` -> ``Optional[torch.dtype]``."""
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and value not in _DTYPES.values():
+            _fail(option, value, "one of float32, bfloat16, float16 (or None: from the precision)")
+        return value
+    if isinstance(value, str) and value.lower() in _DTYPES:
+        return _DTYPES[value.lower()]
+    _fail(option, value, f"one of {sorted(set(_DTYPES))} or None (from the trainer's precision)")
+    return None  # unreachable
+
+
+def _int_like(option: str, value: Any, minimum: int, allow_none: bool = False) -> Optional[int]:
+    """Accepts ints and integral floats (``5e8``: the seed writes sizes that way)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+        isinstance(value, float) and not value.is_integer()
+    ):
+        _fail(option, value, f"an integer >= {minimum}" + (" or None" if allow_none else ""))
+    if int(value) < minimum:
+        _fail(option, value, f"an integer >= {minimum}" + (" or None" if allow_none else ""))
+    return int(value)
+
+
+@dataclass
+class MiCSConfig:
+    """Options of :class:`lightning_mics.MiCSStrategy` (named after SageMaker's ``sdp_*`` knobs)."""
+
+    sharded_data_parallel_degree: Optional[int] = None  # s; None: ranks per node
+    hierarchical_allgather: bool = True
+    ranks_per_node: Optional[int] = None  # None: from the cluster environment
+    reduce_bucket_size: int = 500_000_000
+    param_persistence_threshold: int = 1_000_000
+    max_live_parameters: int = 1_000_000_000
+    prefetch: int = 1
+    shard_units: Optional[List[str]] = None
+    activation_checkpointing: Optional[List[str]] = None
+    checkpoint_group_size: int = 1
+    activation_offload: bool = False
+    param_dtype: Optional[str] = None
+    reduce_dtype: Optional[str] = None
+    kernels: str = "auto"
+    state_dict_type: str = "sharded"
+    timeout: float = 1800.0
+
+    def __post_init__(self) -> None:
+        self.sharded_data_parallel_degree = _int_like(
+            "sharded_data_parallel_degree", self.sharded_data_parallel_degree, 1, allow_none=True
+        )
+        self.ranks_per_node = _int_like("ranks_per_node", self.ranks_per_node, 1, allow_none=True)
+        self.reduce_bucket_size = _int_like("reduce_bucket_size", self.reduce_bucket_size, 1)
+        self.param_persistence_threshold = _int_like(
+            "param_persistence_threshold", self.param_persistence_threshold, 0
+        )
+        self.max_live_parameters = _int_like("max_live_parameters", self.max_live_parameters, 1)
+        self.prefetch = _int_like("prefetch", self.prefetch, 0)
+        self.checkpoint_group_size = _int_like("checkpoint_group_size", self.checkpoint_group_size, 1)
+        for name in ("hierarchical_allgather", "activation_offload"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "True or False")
+        for name in ("shard_units", "activation_checkpointing"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = [value]
+            if value is not None:
+                value = list(value)
+                if not all(isinstance(v, (str, type)) for v in value):
+                    _fail(name, value, "a list of module classes or their dotted names")
+            setattr(self, name, value)
+        if self.activation_offload and not self.activation_checkpointing:
+            _fail("activation_offload", True, "True only together with activation_checkpointing")
+        parse_dtype("param_dtype", self.param_dtype)
+        parse_dtype("reduce_dtype", self.reduce_dtype)
+        if self.kernels not in _KERNELS:
+            _fail("kernels", self.kernels, " | ".join(repr(k) for k in _KERNELS))
+        if self.state_dict_type not in _STATE_DICT_TYPES:
+            _fail("state_dict_type", self.state_dict_type, " | ".join(repr(k) for k in _STATE_DICT_TYPES))
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
+            _fail("timeout", self.timeout, "a positive number of seconds")
+
+    def validate_world(self, world_size: int, ranks_per_node: int) -> int:
+        """Resolves and checks the sharding degree against the world; returns s. Call before any group."""
+        if self.ranks_per_node is not None and world_size % self.ranks_per_node != 0:
+            _fail("ranks_per_node", self.ranks_per_node, f"a divisor of the world size {world_size}")
+        s = self.sharded_data_parallel_degree
+        if s is None:
+            s = min(ranks_per_node, world_size)
+        if world_size % s != 0:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            _fail("sharded_data_parallel_degree", s, f"a divisor of the world size {world_size}: {divisors}")
+        return s
+
+    @classmethod
+    def names(cls) -> List[str]:
+        return [f.name for f in fields(cls)]
