@@ -1,5 +1,17 @@
-"""lightning-mics: MiCS sharded data parallelism as a PyTorch Lightning strategy."""
+"""lightning-mics: MiCS sharded data parallelism as a PyTorch Lightning strategy.
 
+``import lightning_mics`` registers ``"mics"`` in Lightning's StrategyRegistry, so
+``Trainer(strategy="mics")`` works; ``MiCSStrategy(...)`` takes the options of :class:`MiCSConfig`.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_mics.checkpoint import consolidate
 from lightning_mics.config import MiCSConfig
+from lightning_mics.sharding import register_parameter
+from lightning_mics.strategy import MiCSStrategy
 
-__all__ = ["MiCSConfig"]
+if "mics" not in StrategyRegistry:
+    MiCSStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["MiCSConfig", "MiCSStrategy", "consolidate", "register_parameter"]

@@ -1,0 +1,64 @@
+"""Lightning precision plugins that know gradients are sharded.
+
+Two things change against Lightning's own plugins: clipping by norm reduces the norm over the shard group
+(``clip.py``), and with ``16-mixed`` the loss scaler checks for inf/NaN across *all* ranks, so a step that
+overflows on one rank's shard is skipped on every rank (``ShardedGradScaler``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+
+
+class _ShardedClip:
+    _mics_clip = None  # set by the strategy: callable(optimizer, max_norm)
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:  # type: ignore[override]
+        self._mics_clip(optimizer, float(clip_val))
+
+
+class MiCSPrecision(_ShardedClip, Precision):
+    pass
+
+
+class MiCSMixedPrecision(_ShardedClip, MixedPrecision):
+    pass
+
+
+class MiCSHalfPrecision(_ShardedClip, HalfPrecision):
+    pass
+
+
+def to_mics_precision(plugin: Precision, device: torch.device) -> Precision:
+    """Maps Lightning's generic plugin to ours; any other plugin is refused with a clear message."""
+    if isinstance(plugin, _ShardedClip):
+        return plugin
+    if type(plugin) is Precision:
+        return MiCSPrecision()
+    if type(plugin) is MixedPrecision:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        scaler = ShardedGradScaler(device=device.type) if plugin.precision == "16-mixed" else None
+        return MiCSMixedPrecision(plugin.precision, device.type, scaler=scaler)
+    if type(plugin) is HalfPrecision:
+        return MiCSHalfPrecision(plugin.precision)
+    raise ValueError(
+        f"Trainer precision plugin {type(plugin).__name__} (precision={getattr(plugin, 'precision', '?')!r}) is "
+        "not supported by MiCSStrategy: allowed precision is '32-true', 'bf16-mixed', '16-mixed', 'bf16-true' "
+        "or '16-true'."
+    )
+
+
+def default_dtypes(precision: str) -> Tuple[Optional[torch.dtype], torch.dtype]:
+    """(param_dtype, reduce_dtype) for a precision string: None means 'the parameters' own dtype'."""
+    return {
+        "32-true": (None, torch.float32),
+        "64-true": (None, torch.float64),
+        "bf16-mixed": (torch.bfloat16, torch.float32),
+        "16-mixed": (torch.float16, torch.float32),
+        "bf16-true": (None, torch.float32),
+        "16-true": (None, torch.float32),
+    }[precision]

@@ -1,0 +1,161 @@
+"""Which parameters go to which gather/release unit, and which stay replicated.
+
+[Note: units]
+A unit is a module whose parameters are all-gathered together before its forward (and again before its
+backward) and released after. By default every child of every ``nn.ModuleList`` is a unit (a transformer's
+blocks); ``shard_units`` names module classes instead. The root (the LightningModule) is always a unit and
+owns every parameter no other unit owns. Units may nest: a parameter belongs to the innermost unit that
+contains every module referencing it. So a weight tied between ``wte`` and ``lm_head`` lands in their
+common ancestor unit, and ``register_parameter(module, param)`` (the seed's case of a module using another
+module's weight in its forward) widens a parameter's owner to include ``module``.
+
+A parameter stays whole on every rank ("replicated", never gathered, reduced once per optimizer step over
+the whole world) when it has fewer elements than ``param_persistence_threshold``, is 0-d, or when s == 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type
+
+import torch.nn as nn
+
+_EXTRA_REFS = "_mics_extra_param_refs"
+
+
+def register_parameter(module: nn.Module, param: nn.Parameter) -> None:
+    """Declares that ``module``'s forward uses ``param`` although ``param`` is registered elsewhere.
+
+    The parameter is then gathered whenever ``module`` runs (SageMaker's ``smp.register_parameter``).
+    """
+    refs = module.__dict__.setdefault(_EXTRA_REFS, [])
+    if not any(p is param for p in refs):
+        refs.append(param)
+
+
+@dataclass
+class ParamRef:
+    """One place that holds a parameter: ``module._parameters[attr]``; ``fqn`` is its name from the root."""
+
+    module: nn.Module
+    attr: str
+    fqn: str
+
+
+@dataclass
+class ParamPlan:
+    param: nn.Parameter
+    refs: List[ParamRef]
+    unit: Optional[str]  # unit path ("" = root); None = replicated
+
+    @property
+    def fqn(self) -> str:
+        return self.refs[0].fqn
+
+
+@dataclass
+class UnitPlan:
+    path: str  # "" for the root
+    module: nn.Module
+    params: List[ParamPlan] = field(default_factory=list)
+
+
+@dataclass
+class ShardingPlan:
+    units: List[UnitPlan]  # root first, then in module (pre-)order
+    replicated: List[ParamPlan]
+
+
+def resolve_classes(names: Optional[Sequence], option: str) -> Optional[Tuple[Type[nn.Module], ...]]:
+    """Dotted names (``"lightning_mics.models.gpt.Block"``) or classes -> classes; ValueError names the option."""
+    if names is None:
+        return None
+    out = []
+    for name in names:
+        if isinstance(name, type):
+            out.append(name)
+            continue
+        mod_name, _, cls_name = str(name).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(mod_name), cls_name)
+        except (ImportError, AttributeError, ValueError):
+            raise ValueError(
+                f"MiCSStrategy option {option}={list(names)!r} is invalid: {name!r} is not an importable "
+                "module class; allowed is a list of nn.Module classes or their dotted names "
+                "(e.g. 'torch.nn.TransformerEncoderLayer')."
+            ) from None
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise ValueError(f"MiCSStrategy option {option}: {name!r} is not an nn.Module subclass.")
+        out.append(cls)
+    return tuple(out)
+
+
+def _unit_paths(root: nn.Module, unit_classes: Optional[Tuple[type, ...]]) -> List[str]:
+    paths = [""]
+    for path, module in root.named_modules():
+        if not path:
+            continue
+        if unit_classes is not None:
+            if isinstance(module, unit_classes):
+                paths.append(path)
+        elif isinstance(module, nn.ModuleList):
+            paths.extend(f"{path}.{name}" for name, _ in module.named_children())
+    return paths
+
+
+def _owner(module_path: str, unit_paths: Iterable[str]) -> str:
+    """Innermost unit containing the module at ``module_path``."""
+    best = ""
+    for u in unit_paths:
+        if u and (module_path == u or module_path.startswith(u + ".")) and len(u) > len(best):
+            best = u
+    return best
+
+
+def _common_unit(paths: List[str], unit_paths: List[str]) -> str:
+    owners = {_owner(p, unit_paths) for p in paths}
+    if len(owners) == 1:
+        return owners.pop()
+    # Innermost unit that contains all owners.
+    parts = [o.split(".") if o else [] for o in owners]
+    prefix: List[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        prefix.append(level[0])
+    return _owner(".".join(prefix), unit_paths) if prefix else ""
+
+
+def plan_sharding(
+    root: nn.Module,
+    unit_classes: Optional[Tuple[type, ...]],
+    persistence_threshold: int,
+    shard_size: int,
+) -> ShardingPlan:
+    unit_paths = _unit_paths(root, unit_classes)
+    modules = dict(root.named_modules(remove_duplicate=False))
+    by_id: Dict[int, ParamPlan] = {}
+    module_paths: Dict[int, List[str]] = {}
+    for mpath, module in root.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{mpath}.{attr}" if mpath else attr
+            plan = by_id.setdefault(id(param), ParamPlan(param, [], None))
+            if not any(r.module is module and r.attr == attr for r in plan.refs):
+                plan.refs.append(ParamRef(module, attr, fqn))
+            module_paths.setdefault(id(param), []).append(mpath)
+        for param in module.__dict__.get(_EXTRA_REFS, []):
+            module_paths.setdefault(id(param), []).append(mpath)
+
+    units = {p: UnitPlan(p, modules[p] if p else root) for p in unit_paths}
+    replicated: List[ParamPlan] = []
+    for pid, plan in by_id.items():
+        p = plan.param
+        if shard_size == 1 or p.dim() == 0 or p.numel() < persistence_threshold:
+            replicated.append(plan)
+            continue
+        plan.unit = _common_unit(module_paths[pid], unit_paths)
+        units[plan.unit].params.append(plan)
+    return ShardingPlan([units[p] for p in unit_paths if units[p].params or p == ""], replicated)

@@ -1,0 +1,337 @@
+"""MiCSStrategy: Lightning glue only. The sharding itself lives in ``runtime.py``.
+
+Lifecycle (same order as Lightning's DDP/ModelParallel strategies):
+``__init__`` validates the options (scalars only) -> ``_configure_launcher`` checks the sharding degree
+against the world before any process is launched -> ``setup_environment`` creates the process group and
+the device mesh -> ``setup`` shards the LightningModule, then lets its ``configure_optimizers`` build the
+optimizer over the local shards -> the loops run through the hooks -> ``teardown`` puts full, ordinary
+parameters back into the module.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Dict, Generator, List, Mapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_mics import checkpoint as ckpt
+from lightning_mics.clip import clip_grad_norm_
+from lightning_mics.config import MiCSConfig, parse_dtype
+from lightning_mics.precision import default_dtypes, to_mics_precision
+from lightning_mics.runtime import MiCSEngine
+from lightning_mics.topology import Topology, build_topology, plan_layout
+
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class _MiCSModule(nn.Module):
+    """Holds the LightningModule so that Lightning routes ``training_step`` & co. through ``forward``
+    (its forward redirection), where the root unit's hooks gather and release the root's parameters."""
+
+    def __init__(self, module: "pl.LightningModule") -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+class MiCSStrategy(ParallelStrategy):
+    """MiCS sharded data parallelism: model state sharded over s ranks, replicated r = world / s times.
+
+    Options are those of :class:`lightning_mics.config.MiCSConfig` (SageMaker's ``sdp_*`` knobs).
+    """
+
+    strategy_name = "mics"
+
+    def __init__(
+        self,
+        sharded_data_parallel_degree: Optional[int] = None,
+        hierarchical_allgather: bool = True,
+        ranks_per_node: Optional[int] = None,
+        reduce_bucket_size: int = 500_000_000,
+        param_persistence_threshold: int = 1_000_000,
+        max_live_parameters: int = 1_000_000_000,
+        prefetch: int = 1,
+        shard_units: Optional[List[Any]] = None,
+        activation_checkpointing: Optional[List[Any]] = None,
+        checkpoint_group_size: int = 1,
+        activation_offload: bool = False,
+        param_dtype: Optional[Any] = None,
+        reduce_dtype: Optional[Any] = None,
+        kernels: str = "auto",
+        state_dict_type: str = "sharded",
+        timeout: float = 1800.0,
+        accelerator: Optional["pl.accelerators.Accelerator"] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        start_method: str = "popen",
+    ) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.config = MiCSConfig(
+            sharded_data_parallel_degree=sharded_data_parallel_degree,
+            hierarchical_allgather=hierarchical_allgather, ranks_per_node=ranks_per_node,
+            reduce_bucket_size=reduce_bucket_size, param_persistence_threshold=param_persistence_threshold,
+            max_live_parameters=max_live_parameters, prefetch=prefetch, shard_units=shard_units,
+            activation_checkpointing=activation_checkpointing, checkpoint_group_size=checkpoint_group_size,
+            activation_offload=activation_offload, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            kernels=kernels, state_dict_type=state_dict_type, timeout=timeout,
+        )
+        if start_method not in _START_METHODS:
+            raise ValueError(f"MiCSStrategy option start_method={start_method!r} is invalid: allowed is one of "
+                             f"{_START_METHODS}.")
+        self._start_method = start_method
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._topology: Optional[Topology] = None
+        self._engine: Optional[MiCSEngine] = None
+        self._shard_size: Optional[int] = None
+
+    # -- layout -------------------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning's connector: inserts a DistributedSampler over all W ranks."""
+        return True
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("MiCSStrategy.topology is available after the process group is set up "
+                               "(in or after LightningModule.setup / configure_model).")
+        return self._topology
+
+    @property
+    def engine(self) -> MiCSEngine:
+        if self._engine is None:
+            raise RuntimeError("MiCSStrategy.engine exists once the strategy has set up the model.")
+        return self._engine
+
+    def _ranks_per_node(self) -> int:
+        return self.config.ranks_per_node or max(self.num_processes, 1)
+
+    def _validate_layout(self) -> int:
+        world = self.num_nodes * self.num_processes
+        self._shard_size = self.config.validate_world(world, self._ranks_per_node())
+        return self._shard_size
+
+    # -- processes ----------------------------------------------------------------------------------
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._validate_layout()  # before any process is launched: every rank would raise alike anyway
+        if not self.cluster_environment.creates_processes_externally:
+            if self._start_method == "popen":
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                           self.num_nodes)
+            else:
+                self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        s = self._validate_layout()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (self._process_group_backend
+                                       or _get_default_process_group_backend_for_device(self.root_device))
+        assert self.cluster_environment is not None
+        kwargs: Dict[str, Any] = {"timeout": timedelta(seconds=self.config.timeout)}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        layout = plan_layout(self.world_size, s, self._ranks_per_node())
+        self._topology = build_topology(layout, self.root_device.type)
+        rank_zero_info(self._topology.describe())
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- model --------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin = to_mics_precision(self.precision_plugin, self.root_device)
+        self.precision_plugin._mics_clip = self.clip_grad_norm_
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._shard_model()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _shard_model(self) -> None:
+        param_default, reduce_default = default_dtypes(self.precision_plugin.precision)
+        param_dtype = parse_dtype("param_dtype", self.config.param_dtype) or param_default
+        reduce_dtype = parse_dtype("reduce_dtype", self.config.reduce_dtype) or reduce_default
+        wrapper = _MiCSModule(self.lightning_module)
+        self._engine = MiCSEngine(
+            wrapper, self.topology, shard_units=self.config.shard_units,
+            persistence_threshold=self.config.param_persistence_threshold,
+            bucket_size=self.config.reduce_bucket_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            kernels=self.config.kernels, device=self.root_device,
+        )
+        self.model = wrapper
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Micro-batches inside gradient accumulation: reduce-scatter in the shard group only; the replica
+        all-reduce waits for the accumulation boundary (MiCS 2-hop sync)."""
+        engine = self.engine
+        engine.sync_replicas = False
+        try:
+            yield
+        finally:
+            engine.sync_replicas = True
+
+    def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        sharded = {id(p) for p in self.engine.sharded_params()}
+        return clip_grad_norm_(params, max_norm, sharded, self.topology.shard_group,
+                               self.topology.layout.shard_size, norm_type)
+
+    def model_state_bytes(self) -> Dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state held by this rank."""
+        return self.engine.model_state_bytes([getattr(o, "_optimizer", o) for o in self.optimizers])
+
+    # -- collectives for the loops ------------------------------------------------------------------
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- state --------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> Dict[str, Any]:
+        """The full, unsharded state dict with the module's own keys on rank 0 ({} elsewhere). Collective."""
+        if self._engine is None:
+            return super().lightning_module_state_dict()
+        full = self.engine.full_state_dict(self.lightning_module)
+        return full if self.global_rank == 0 else {}
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._engine is None:
+            return super().load_model_state_dict(checkpoint, strict)
+        self.engine.load_full_state_dict(checkpoint["state_dict"], self.lightning_module, strict=strict)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.full_optimizer_state(self.engine, optimizer, keep=self.global_rank == 0)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            ckpt.load_full_optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer), state)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # states are loaded into the shards, which exist only after setup
+
+    # -- end ----------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            if not getattr(self, "_failed", False):
+                self._engine.restore_module()
+            self._engine = None
+        if self.lightning_module is not None:
+            self.model = self.lightning_module
+        super().teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # never run collectives (restoring full params) after a failure
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("mics", cls, description="MiCS sharded data parallelism")

@@ -1,0 +1,40 @@
+"""Bytes per collective and group, counted where the collectives are issued.
+
+These counters are for users (callbacks, the logger, the benchmark report). Tests do not trust them: they
+count c10d ops independently with a TorchDispatchMode (``tests/helpers/comm_mode.py``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, Tuple
+
+
+class CommLog:
+    """Accumulates ``(op, group) -> [calls, bytes]``; ``step_summary`` returns and resets a window."""
+
+    def __init__(self) -> None:
+        self._window: Dict[Tuple[str, str], list] = defaultdict(lambda: [0, 0])
+        self.gathered_elements = 0
+        self.gathered_peak = 0
+
+    def record(self, op: str, group: str, nbytes: int) -> None:
+        entry = self._window[(op, group)]
+        entry[0] += 1
+        entry[1] += int(nbytes)
+
+    def live(self, delta_elements: int) -> None:
+        self.gathered_elements += delta_elements
+        self.gathered_peak = max(self.gathered_peak, self.gathered_elements)
+
+    def step_summary(self, reset: bool = True) -> Dict[str, float]:
+        """Flat dict for ``self.log_dict``: ``comm/<op>/<group>/bytes`` and ``.../calls``, gathered peak."""
+        out: Dict[str, float] = {}
+        for (op, group), (calls, nbytes) in sorted(self._window.items()):
+            out[f"comm/{op}/{group}/bytes"] = float(nbytes)
+            out[f"comm/{op}/{group}/calls"] = float(calls)
+        out["mem/gathered_elements_peak"] = float(self.gathered_peak)
+        if reset:
+            self._window.clear()
+            self.gathered_peak = self.gathered_elements
+        return out

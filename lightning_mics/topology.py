@@ -1,0 +1,136 @@
+"""Process layout: shard groups, replica groups, and the node sub-groups of a shard group.
+
+[Note: MiCS layout]
+With world size W, sharding degree s and r = W / s replicas, ranks are laid out on a (replicate, shard)
+grid: shard groups are *contiguous* ranks ``[g*s, (g+1)*s)`` (so on a real cluster they sit on as few nodes
+as possible and their frequent all-gathers use the fast intra-node links), and replica groups are
+*strided*: ``{j, j+s, j+2s, ...}`` hold the same shard ``j`` of the model state. When a shard group spans
+nodes (``ranks_per_node`` = p < s), it splits further into an ``inter`` axis (same local rank, different
+nodes; s/p ranks) and an ``intra`` axis (one node; p ranks), used by the two-hop all-gather.
+
+``plan_layout`` is pure (no processes), so the groups of any world size can be checked in a unit test;
+``build_mesh`` turns a layout into a DeviceMesh whose named axes carry the process groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    shard_size: int  # s
+    ranks_per_node: int  # p
+
+    @property
+    def replicas(self) -> int:  # r
+        return self.world_size // self.shard_size
+
+    @property
+    def spans_nodes(self) -> bool:
+        return self.shard_size > self.ranks_per_node
+
+    @property
+    def hierarchical_possible(self) -> bool:
+        """Two hops need whole nodes inside a shard group."""
+        return self.spans_nodes and self.shard_size % self.ranks_per_node == 0
+
+    def shard_groups(self) -> List[List[int]]:
+        s = self.shard_size
+        return [list(range(g * s, (g + 1) * s)) for g in range(self.replicas)]
+
+    def replica_groups(self) -> List[List[int]]:
+        s = self.shard_size
+        return [list(range(j, self.world_size, s)) for j in range(s)]
+
+    def shard_group_of(self, rank: int) -> List[int]:
+        return self.shard_groups()[rank // self.shard_size]
+
+    def replica_group_of(self, rank: int) -> List[int]:
+        return self.replica_groups()[rank % self.shard_size]
+
+    def intra_groups(self) -> List[List[int]]:
+        """Ranks of one shard group on one node (the second hop of the hierarchical all-gather)."""
+        p = self.ranks_per_node
+        return [list(range(n * p, (n + 1) * p)) for n in range(self.world_size // p)]
+
+    def inter_groups(self) -> List[List[int]]:
+        """Ranks of one shard group with the same local rank, one per node (the first hop)."""
+        s, p = self.shard_size, self.ranks_per_node
+        return [list(range(g * s + l, (g + 1) * s, p)) for g in range(self.replicas) for l in range(p)]
+
+
+def plan_layout(world_size: int, shard_size: int, ranks_per_node: Optional[int] = None) -> Layout:
+    if world_size % shard_size != 0:
+        raise ValueError(
+            f"MiCSStrategy option sharded_data_parallel_degree={shard_size} is invalid: allowed is a divisor of "
+            f"the world size {world_size}."
+        )
+    p = ranks_per_node or world_size
+    if world_size % p != 0:
+        raise ValueError(
+            f"MiCSStrategy option ranks_per_node={p} is invalid: allowed is a divisor of the world size {world_size}."
+        )
+    return Layout(world_size, shard_size, p)
+
+
+@dataclass
+class Topology:
+    """The live groups of this rank; built collectively on every rank, in the same order."""
+
+    layout: Layout
+    mesh: DeviceMesh  # ("replicate", "shard")
+    node_mesh: Optional[DeviceMesh]  # ("replicate", "inter", "intra") when a shard group spans whole nodes
+    rank: int
+
+    @property
+    def shard_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("shard")
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("replicate")
+
+    @property
+    def world_group(self) -> dist.ProcessGroup:
+        return dist.group.WORLD
+
+    @property
+    def shard_rank(self) -> int:
+        return self.rank % self.layout.shard_size
+
+    @property
+    def replica_rank(self) -> int:
+        return self.rank // self.layout.shard_size
+
+    def describe(self) -> str:
+        lay = self.layout
+        return (
+            f"MiCS layout: world={lay.world_size} s={lay.shard_size} r={lay.replicas} "
+            f"ranks_per_node={lay.ranks_per_node}; rank {self.rank}: shard group {lay.shard_group_of(self.rank)}, "
+            f"replica group {lay.replica_group_of(self.rank)}"
+        )
+
+
+def build_topology(layout: Layout, device_type: str) -> Topology:
+    rank = dist.get_rank()
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"process group has {dist.get_world_size()} ranks, layout expects {layout.world_size}")
+    mesh = init_device_mesh(
+        device_type, (layout.replicas, layout.shard_size), mesh_dim_names=("replicate", "shard")
+    )
+    node_mesh = None
+    if layout.hierarchical_possible:
+        p = layout.ranks_per_node
+        node_mesh = DeviceMesh(
+            device_type,
+            torch.arange(layout.world_size).view(layout.replicas, layout.shard_size // p, p),
+            mesh_dim_names=("replicate", "inter", "intra"),
+        )
+    return Topology(layout, mesh, node_mesh, rank)

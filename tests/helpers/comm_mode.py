@@ -1,0 +1,55 @@
+"""Counts c10d collectives as the dispatcher sees them, with the ranks of their process group.
+
+Independent of the strategy's own telemetry: every eager c10d call (all-gather, reduce-scatter, all-reduce)
+passes the dispatcher as a ``c10d.*`` op whose arguments include the ProcessGroup.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import List, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_NAMES = {
+    "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "broadcast_": "broadcast", "barrier": "barrier",
+}
+
+
+class CommCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: List[Tuple[str, Tuple[int, ...], int]] = []  # (op, group ranks, bytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "c10d":
+            name = func._schema.name.split("::")[-1]
+            op = _NAMES.get(name, name)
+            group = None
+            nbytes = 0
+            for a in list(args) + list(kwargs.values()):
+                if isinstance(a, torch.ScriptObject) and group is None:
+                    try:
+                        group = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a)))
+                    except RuntimeError:
+                        pass
+            first = args[0] if args else None
+            if isinstance(first, torch.Tensor):
+                nbytes = first.numel() * first.element_size()
+            elif isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
+                nbytes = sum(t.numel() * t.element_size() for t in first)
+            self.events.append((op, group, nbytes))
+        return func(*args, **kwargs)
+
+    def counts(self) -> Counter:
+        return Counter((op, group) for op, group, _ in self.events)
+
+    def reset(self) -> None:
+        self.events.clear()
