@@ -140,15 +140,27 @@ def reference(args, world, x, y):
     opt = make_optimizer(model, args.optimizer)
     b, A = args.batch, args.accum
     per_rank = [torch.arange(k, x.size(0), world) for k in range(world)]
+    norms = []
     for step in range(args.steps):
         for m in range(step * A, (step + 1) * A):
             idx = torch.cat([r[m * b:(m + 1) * b] for r in per_rank])
             (model.loss(x[idx], y[idx]) / A).backward()
         if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)))
         opt.step()
         opt.zero_grad()
-    return init, model.state_dict()
+    return init, model.state_dict(), norms
+
+
+def plain_state_bytes(module, optimizer_kind):
+    """Bytes one plain process holds: params + grads + optimizer state (SGD momentum: 1, AdamW: 2 tensors)."""
+    per_trainable = 1 + (1 if optimizer_kind == "sgd" else 2)
+    seen, total = set(), 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size() * (1 + (per_trainable if p.requires_grad else 0))
+    return total
 
 
 def main():
@@ -189,15 +201,20 @@ def main():
     torch.manual_seed(0)
     module = Module(args.model, args.optimizer)
     n_params = sum(p.numel() for p in module.parameters())
+    plain_bytes = plain_state_bytes(module, args.optimizer)
+    per_trainable = 1 + (1 if args.optimizer == "sgd" else 2)
 
     state_bytes = {}
 
     class Grab(L.Callback):
         def on_train_end(self, trainer, pl_module):
             state_bytes.update(trainer.strategy.model_state_bytes())
-            state_bytes["replicated"] = sum(p.numel() * p.element_size() for p in trainer.strategy.engine.replicated)
-            state_bytes["replicated_trainable"] = sum(
-                p.numel() * p.element_size() for p in trainer.strategy.engine.replicated if p.requires_grad)
+            eng = trainer.strategy.engine
+            state_bytes["replicated_plain"] = sum(
+                p.numel() * p.element_size() * (1 + (per_trainable if p.requires_grad else 0)) for p in eng.replicated)
+            state_bytes["plain"] = plain_bytes
+            state_bytes["n_buckets"] = sum(len(u.buckets) for u in eng.units)
+            state_bytes["n_units"] = sum(1 for u in eng.units if u.full_numel)
 
     trainer.callbacks.append(Grab())
     trainer.fit(module, train, val)
@@ -206,7 +223,8 @@ def main():
               "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
               "comms": counter.per_batch, "global_step": trainer.global_step}
     if rank == 0:
-        init, ref = reference(args, world, x, y)
+        init, ref, norms = reference(args, world, x, y)
+        result["ref_norms"] = norms
         got = module.model.state_dict()
         result["full_sd_keys_match"] = sorted(full) == sorted(module.state_dict())
         errs = {}
@@ -215,6 +233,7 @@ def main():
             moved = (r.float() - init[k].float()).norm().item()
             errs[k] = {"max_abs": (g - r.float()).abs().max().item(), "ref_max": r.float().abs().max().item(),
                        "moved": moved, "rel_update": (g - r.float()).norm().item() / max(moved, 1e-12),
+                       "rel_norm": (g - r.float()).norm().item() / max(r.float().norm().item(), 1e-12),
                        "shape_ok": list(g.shape) == list(r.shape)}
         result["errors"] = errs
         torch.save({"ref": ref, "got": got, "init": init}, Path(args.out) / "params.pt")
