@@ -115,6 +115,7 @@ class MiCSStrategy(ParallelStrategy):
         self._topology: Optional[Topology] = None
         self._engine: Optional[MiCSEngine] = None
         self._shard_size: Optional[int] = None
+        self.comm_stats: Dict[str, float] = {}
 
     # -- layout -------------------------------------------------------------------------------------
     @property
@@ -253,6 +254,24 @@ class MiCSStrategy(ParallelStrategy):
             yield
         finally:
             engine.sync_replicas = True
+
+    @override
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._publish_comm_stats()
+        return out
+
+    def _publish_comm_stats(self) -> None:
+        """Per optimizer step: bytes and calls per collective and group (``comm/<op>/<group>/bytes``)
+        and the gathered-elements peak; kept in ``self.comm_stats`` for callbacks and sent to the loggers."""
+        self.comm_stats = self.engine.log.step_summary()
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is None or self.global_rank != 0 or not trainer.loggers:
+            return
+        step = trainer.global_step
+        if step % max(trainer.log_every_n_steps, 1) == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.comm_stats, step=step)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -40,3 +40,21 @@ def test_two_hop_sync_with_accumulation(tmp_path):
                        ("all_reduce", tuple(REPLICA[rank])), ("all_reduce", tuple(WORLD)),
                        ("all_reduce", tuple(SHARD[rank]))}
             assert set(c) <= allowed, set(c) - allowed
+
+
+def test_telemetry_bytes_agree_with_dispatch(tmp_path):
+    """The strategy's own per-step byte counters (logged to Lightning's loggers) equal what the dispatcher saw."""
+    accum = 2
+    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--steps", "2", "--accum", str(accum), "--count"],
+                    tmp_path)
+    names = {"all_gather": "shard", "reduce_scatter": "shard"}
+    for r in res:
+        rank = r["rank"]
+        groups = {"shard": SHARD[rank], "replicate": REPLICA[rank], "world": WORLD}
+        for step in range(2):
+            window = [e for batch in r["comms"][step * accum:(step + 1) * accum] for e in batch]
+            stats = r["stats"][(step + 1) * accum - 1]
+            for op, gname in [("all_gather", "shard"), ("reduce_scatter", "shard"), ("all_reduce", "replicate"),
+                              ("all_reduce", "world")]:
+                seen = sum(n for o, g, n in window if o == op and g == groups[gname])
+                assert stats[f"comm/{op}/{gname}/bytes"] == seen, (op, gname, stats, seen)

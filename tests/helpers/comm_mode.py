@@ -40,11 +40,11 @@ class CommCounter(TorchDispatchMode):
                         group = tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(a)))
                     except RuntimeError:
                         pass
-            first = args[0] if args else None
-            if isinstance(first, torch.Tensor):
-                nbytes = first.numel() * first.element_size()
-            elif isinstance(first, (list, tuple)) and first and isinstance(first[0], torch.Tensor):
-                nbytes = sum(t.numel() * t.element_size() for t in first)
+            # bytes of the largest buffer involved (the gathered output / the pre-reduce input)
+            for a in list(args) + list(kwargs.values()):
+                ts = a if isinstance(a, (list, tuple)) else [a]
+                size = sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+                nbytes = max(nbytes, size)
             self.events.append((op, group, nbytes))
         return func(*args, **kwargs)
 

@@ -115,7 +115,7 @@ class CountComms(L.Callback):
     """Records the collectives of every training batch (forward, backward, and optimizer step)."""
 
     def __init__(self):
-        self.mode, self.per_batch = None, []
+        self.mode, self.per_batch, self.stats = None, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.mode = CommCounter()
@@ -124,6 +124,7 @@ class CountComms(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.mode.__exit__(None, None, None)
         self.per_batch.append([[op, list(g) if g else None, n] for op, g, n in self.mode.events])
+        self.stats.append(dict(trainer.strategy.comm_stats))
 
 
 def data(world, batch, steps, accum):
@@ -221,7 +222,7 @@ def main():
     full = trainer.strategy.lightning_module_state_dict()  # after fit: module restored, plain state dict
     result = {"rank": rank, "state_bytes": state_bytes, "n_params": n_params,
               "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-              "comms": counter.per_batch, "global_step": trainer.global_step}
+              "comms": counter.per_batch, "stats": counter.stats, "global_step": trainer.global_step}
     if rank == 0:
         init, ref, norms = reference(args, world, x, y)
         result["ref_norms"] = norms

@@ -1,0 +1,31 @@
+"""Mixed precision under sharding: fp16 loss scaling skips an overflowing step on every rank; bf16 trains
+close to the fp32 reference; low-precision gathers halve the gathered bytes while reduction stays fp32."""
+
+import pytest
+
+from tests.helpers.launch import REPO, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+
+def test_fp16_overflow_on_one_rank_skips_step_everywhere(tmp_path):
+    res = run_ranks(REPO / "tests" / "scripts" / "fp16_overflow.py", 4, [], tmp_path)
+    for r in res:
+        assert r["scaler"] == "ShardedGradScaler"
+        assert r["changed"] == [True, False, True, True], r  # step 1 overflowed on rank 0 only
+        assert r["scales"][0] == 65536.0 and r["scales"][1] == 32768.0, r  # the scale backed off once
+        assert not r["nan"]
+        st = r["gather_dtype_bytes"]
+        # fp16 gathers (2 per step, 2 bytes) move as many bytes as one fp32 reduce-scatter (4 bytes)
+        assert st["comm/all_gather/shard/bytes"] == st["comm/reduce_scatter/shard/bytes"]
+    assert len({tuple(r["scales"]) for r in res}) == 1
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_trains_close_to_fp32_reference(tmp_path, precision):
+    res = run_ranks(REPO / "tests" / "scripts" / "equiv.py", 4,
+                    ["--model", "gpt", "--s", "2", "--precision", precision, "--accum", "2", "--clip", "1.0"],
+                    tmp_path)
+    for name, e in res[0]["errors"].items():
+        assert e["rel_norm"] < 2e-2, (name, e)
+        assert e["moved"] > 0
