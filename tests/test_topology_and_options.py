@@ -1,0 +1,65 @@
+"""Layout of groups (pure, no processes) and option validation (raised before any collective)."""
+
+import lightning as L
+import pytest
+
+import lightning_mics
+from lightning_mics import MiCSConfig, MiCSStrategy
+from lightning_mics.topology import plan_layout
+
+
+@pytest.mark.parametrize("s", [2, 4, 8])
+def test_seed_layout_8_way(s):
+    lay = plan_layout(8, s, 8)
+    assert lay.replicas == 8 // s
+    assert lay.shard_groups() == [list(range(g * s, (g + 1) * s)) for g in range(8 // s)]  # contiguous
+    assert lay.replica_groups() == [list(range(j, 8, s)) for j in range(s)]  # strided
+    for rank in range(8):
+        assert rank in lay.shard_group_of(rank) and rank in lay.replica_group_of(rank)
+        assert set(lay.shard_group_of(rank)) & set(lay.replica_group_of(rank)) == {rank}
+
+
+def test_node_subgroups_when_a_shard_group_spans_nodes():
+    lay = plan_layout(8, 4, 2)  # two ranks per node, shard groups of 4 span 2 nodes
+    assert lay.spans_nodes and lay.hierarchical_possible
+    assert lay.intra_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lay.inter_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    (dict(sharded_data_parallel_degree=0), "sharded_data_parallel_degree"),
+    (dict(reduce_bucket_size=0), "reduce_bucket_size"),
+    (dict(param_persistence_threshold=-1), "param_persistence_threshold"),
+    (dict(prefetch=1.5), "prefetch"),
+    (dict(kernels="cuda"), "kernels"),
+    (dict(state_dict_type="zip"), "state_dict_type"),
+    (dict(param_dtype="int8"), "param_dtype"),
+    (dict(hierarchical_allgather="yes"), "hierarchical_allgather"),
+    (dict(activation_offload=True), "activation_offload"),
+    (dict(timeout=0), "timeout"),
+    (dict(start_method="thread"), "start_method"),
+])
+def test_bad_option_is_a_value_error_naming_it(kwargs, option):
+    with pytest.raises(ValueError, match=option) as err:
+        MiCSStrategy(**kwargs)
+    assert "allowed" in str(err.value)
+
+
+def test_degree_must_divide_world_before_any_process_starts():
+    with pytest.raises(ValueError, match=r"sharded_data_parallel_degree=3 .*divisor of the world size 4"):
+        L.Trainer(accelerator="cpu", devices=4, strategy=MiCSStrategy(sharded_data_parallel_degree=3))
+
+
+def test_registered_and_config_roundtrip():
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mics", logger=False)
+    assert isinstance(trainer.strategy, MiCSStrategy)
+    assert MiCSConfig(reduce_bucket_size=5e8).reduce_bucket_size == 500_000_000
+    assert set(MiCSConfig.names()) <= set(MiCSStrategy.__init__.__code__.co_varnames)
+    assert lightning_mics.MiCSStrategy is MiCSStrategy
+
+
+def test_bad_shard_units_class_name():
+    from lightning_mics.sharding import resolve_classes
+
+    with pytest.raises(ValueError, match="shard_units"):
+        resolve_classes(["no.such.Block"], "shard_units")
