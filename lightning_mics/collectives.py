@@ -100,26 +100,6 @@ def all_reduce_sum(
     return work if async_op else None
 
 
-def _chunk_cat_torch(tensors, n, dtype=None, backend=None):  # TEMPORARY until triton_kernels lands
-    return torch._chunk_cat([t if t.dim() else t.view(1) for t in tensors], 0, n).to(dtype or tensors[0].dtype)
-
-
-def _chunk_split_torch(flat, outs, n, backend=None):  # TEMPORARY until triton_kernels lands
-    flat = flat.view(n, -1)
-    off = 0
-    for o in outs:
-        c = -(-o.shape[0] // n)
-        width = c * (o[0].numel() if o.shape[0] else 0)
-        o.copy_(flat[:, off:off + width].reshape(n * c, *o.shape[1:])[: o.shape[0]])
-        off += width
-
-
-if not hasattr(triton_kernels, "chunk_cat"):
-    triton_kernels.chunk_cat = _chunk_cat_torch
-    triton_kernels.chunk_split = _chunk_split_torch
-    triton_kernels.flatten = lambda ts, dtype=None, backend=None: torch.cat([t.reshape(-1) for t in ts]).to(dtype)
-
-
 def copy_out(gathered: Tensor, fulls: List[Tensor], group_size: int, kernels: str = "auto") -> None:
     """Writes an ``(s, S)`` all-gather output into unpadded full tensors (inverse of ``chunk_cat``)."""
     triton_kernels.chunk_split(gathered, fulls, group_size, backend=kernels)

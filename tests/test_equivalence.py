@@ -68,3 +68,11 @@ def test_memory_per_rank_is_one_over_s(tmp_path):
             ideal = (sb["plain"] - sb["replicated_plain"]) / s + sb["replicated_plain"]
             assert sb["total"] <= 1.10 * ideal, (s, sb, ideal)
             assert sb["total"] < sb["plain"] / (s * 0.8)  # really sharded, not replicated
+
+
+@pytest.mark.triton
+def test_engine_with_triton_kernels_matches(tmp_path):
+    """All-gather copy-out and reduce-scatter copy-in through the Triton kernels (interpreter on CPU)."""
+    res = run_ranks(SCRIPT, 4, ["--model", "tied", "--s", "2", "--accum", "2", "--extra", '{"kernels": "triton"}'],
+                    tmp_path, extra_env={"TRITON_INTERPRET": "1"})
+    _assert_matches(res[0], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
