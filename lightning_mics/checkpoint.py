@@ -38,9 +38,9 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer, k
             if isinstance(v, Tensor) and id(p) in index and v.shape == p.shape:
                 u, i = index[id(p)]
                 if u.s > 1:
-                    g = torch.empty((u.s,) + tuple(v.shape), dtype=v.dtype, device=v.device)
+                    g = torch.empty((u.s * v.shape[0],) + tuple(v.shape[1:]), dtype=v.dtype, device=v.device)
                     dist.all_gather_single(g, v.contiguous(), group=engine.topo.shard_group)
-                    v = g.flatten(0, 1)
+                    v = g
                 v = v[: u.rows[i]]
             if keep:
                 new[name] = v.detach().cpu().clone() if isinstance(v, Tensor) else copy.deepcopy(v)

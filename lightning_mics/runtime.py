@@ -384,8 +384,11 @@ class MiCSEngine:
         if strict and missing:
             raise KeyError(f"missing keys in state dict: {missing}")
 
-    def restore_module(self) -> None:
-        """Removes the hooks and puts full, ordinary parameters back into the modules (after fit)."""
+    def restore_module(self) -> Dict[int, nn.Parameter]:
+        """Removes the hooks and puts full, ordinary parameters back into the modules (after fit).
+
+        Returns ``{id(shard): full parameter}`` so optimizers can be re-pointed at the full parameters."""
+        mapping: Dict[int, nn.Parameter] = {}
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -397,6 +400,8 @@ class MiCSEngine:
                 unit.release()
                 unit._swap(restored)
                 unit.full_flat = torch.empty(0)
+                mapping.update({id(sh): p for sh, p in zip(unit.sharded, restored)})
+        return mapping
 
     # -- accounting ----------------------------------------------------------------------------------
     def model_state_bytes(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Dict[str, int]:

@@ -84,7 +84,7 @@ class MiCSStrategy(ParallelStrategy):
         param_dtype: Optional[Any] = None,
         reduce_dtype: Optional[Any] = None,
         kernels: str = "auto",
-        state_dict_type: str = "sharded",
+        state_dict_type: str = "full",
         timeout: float = 1800.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
@@ -321,12 +321,16 @@ class MiCSStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        if self._engine is None:  # after fit the optimizer holds full parameters and full state
+            return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return ckpt.full_optimizer_state(self.engine, optimizer, keep=self.global_rank == 0)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if self._engine is None:
+            return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             ckpt.load_full_optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer), state)
 
@@ -340,11 +344,23 @@ class MiCSStrategy(ParallelStrategy):
     def teardown(self) -> None:
         if self._engine is not None:
             if not getattr(self, "_failed", False):
-                self._engine.restore_module()
+                self._restore_plain_state()
             self._engine = None
         if self.lightning_module is not None:
             self.model = self.lightning_module
         super().teardown()
+
+    def _restore_plain_state(self) -> None:
+        """After fit: full parameters back in the module, and each optimizer re-pointed at them with its
+        consolidated (full-shape) state, so module and optimizer are plain and consistent, as after DDP."""
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        full_states = [ckpt.full_optimizer_state(self.engine, o, keep=True) for o in optimizers]
+        mapping = self.engine.restore_module()
+        for opt, state in zip(optimizers, full_states):
+            for group in opt.param_groups:
+                group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+            opt.state.clear()
+            opt.load_state_dict(state)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
