@@ -1,0 +1,73 @@
+"""The torch fallback: the fastest plain torch op for each layout, same semantics as the kernels.
+
+Inputs arrive checked (see _checks.py); buffers arrive as 1-D (flatten/scatter) or 2-D (chunk ops)
+views. Callers run these under torch.no_grad(), like the kernels, which autograd does not see.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._checks import Layout
+
+
+def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    # torch.cat casts into `out` itself (one pass); with mixed inputs it promotes first, which is
+    # exact here: every supported dtype converts to float32 without rounding.
+    torch.cat([t.reshape(-1) for t in tensors], out=out)
+
+
+def scatter(flat: torch.Tensor, outs: Sequence[torch.Tensor], layout: Layout) -> None:
+    dsts = [o.view(-1) for o in outs]
+    if all(o.dtype == flat.dtype for o in outs):
+        torch.split_with_sizes_copy(flat, list(layout.numels), out=dsts)
+    else:  # split_with_sizes_copy does not cast; copy_ does, one (foreach) op for all
+        torch._foreach_copy_(dsts, list(torch.split_with_sizes(flat, list(layout.numels))))
+
+
+def chunk_cat(tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor) -> None:
+    # torch._chunk_cat refuses empty and 0-d tensors and mixed dtypes: empty ones own no columns,
+    # 0-d ones are shape (1,), mixed ones are cast to the buffer's dtype first (exact: cast-then-pad
+    # equals pad-then-cast, the padding is zero).
+    keep = [t.reshape(-1) if t.dim() == 0 else t for t, seg in zip(tensors, layout.segs) if seg]
+    if not keep:
+        return
+    if len({t.dtype for t in keep}) > 1:
+        keep = [t.to(out.dtype) for t in keep]
+    torch._chunk_cat(keep, dim=0, num_chunks=layout.num_chunks, out=out)
+
+
+def chunk_split(flat: torch.Tensor, outs: Sequence[torch.Tensor], layout: Layout) -> None:
+    nc, segs = layout.num_chunks, list(layout.segs)
+    if all(o.dtype == flat.dtype for o in outs):
+        # One split_with_sizes_copy along dim 1 (FSDP2's copy-out): tensors that fill their chunks
+        # exactly receive it in place; padded ones land in a scratch (nc, seg) and are trimmed after.
+        dsts, trims = [], []
+        for o, n, seg in zip(outs, layout.numels, segs):
+            if n == nc * seg:
+                dsts.append(o.view(nc, seg))
+            else:
+                dsts.append(flat.new_empty(nc, seg))
+                trims.append((o.view(-1), dsts[-1].view(-1)[:n]))
+        torch.split_with_sizes_copy(flat, segs, dim=1, out=dsts)
+        if trims:
+            torch._foreach_copy_(*map(list, zip(*trims)))
+        return
+    # Casting: per tensor at most two copy_ pairs, its full chunks as one strided (rows, seg) block and
+    # the partial last chunk, all in one _foreach_copy_ (which casts like copy_).
+    dsts, srcs = [], []
+    for o, n, seg, off in zip(outs, layout.numels, segs, layout.offsets):
+        if not seg:
+            continue
+        full, rest = divmod(n, seg)
+        o = o.view(-1)
+        if full:
+            dsts.append(o[: full * seg].view(full, seg))
+            srcs.append(flat[:full, off : off + seg])
+        if rest:
+            dsts.append(o[full * seg :])
+            srcs.append(flat[full, off : off + rest])
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)

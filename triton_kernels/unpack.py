@@ -1,0 +1,67 @@
+"""unpack: one (num_chunks, total) buffer -> many tensors in ONE launch; scatter and chunk_split.
+
+Replaces `torch.split_with_sizes_copy(flat, sizes, out=views)` / `torch._foreach_copy_` (copy a
+gathered bucket back into the parameters, or a reduced bucket into the gradients) and, for
+chunk_split, the per-chunk copies that rebuild full parameters from an all-gather's rank-major
+output (chunk j of every tensor in row j, padding dropped). Why: split_with_sizes_copy cannot cast,
+a cast after it is a second pass, and in plain torch padded tensors need a scratch copy or one
+copy per chunk. Here one launch reads every byte once, casting to each output's own dtype.
+scatter is chunk_split with one chunk. Measured numbers: benchmarks/RESULTS.md (needs a GPU).
+
+Mixed output dtypes: as in pack.py, one compiled dtype when the outputs agree, else a per-tensor
+branch on the dtype tag of its table row.
+"""
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from ._checks import Layout
+from ._copy import copy_block
+from ._table import ALIGNED, BLOCK, NCOLS, descriptors
+from .pack import TL_DTYPES
+
+_NCOLS = tl.constexpr(NCOLS)
+_ALIGNED = tl.constexpr(ALIGNED)
+
+
+@triton.jit
+def unpack_kernel(table, block_map, buf, total, DST: tl.constexpr, MIXED: tl.constexpr, BLOCK: tl.constexpr):
+    g = tl.program_id(0)
+    j = tl.program_id(1).to(tl.int64)  # chunk = row of the buffer
+    row = table + tl.load(block_map + g) * _NCOLS
+    addr, numel, seg, off = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+    local = (g - tl.load(row + 4)) * BLOCK  # this block's start inside the tensor's chunk
+    flags = tl.load(row + 5)
+    src_start = j * total + off + local
+    dst_start = j * seg + local
+    n = tl.minimum(numel - dst_start, seg - local)  # <= 0 for blocks of pure padding
+    fast = ((flags & _ALIGNED) != 0) & (n >= BLOCK)
+    SRC = buf.dtype.element_ty
+    src_addr = buf.to(tl.int64)
+    if MIXED:
+        tag = flags & 3
+        if tag == 0:
+            copy_block(src_addr, src_start, n, addr, dst_start, n, fast, SRC, tl.float32, BLOCK)
+        elif tag == 1:
+            copy_block(src_addr, src_start, n, addr, dst_start, n, fast, SRC, tl.bfloat16, BLOCK)
+        else:
+            copy_block(src_addr, src_start, n, addr, dst_start, n, fast, SRC, tl.float16, BLOCK)
+    else:
+        copy_block(src_addr, src_start, n, addr, dst_start, n, fast, SRC, DST, BLOCK)
+
+
+def launch_unpack(buf: torch.Tensor, outs, layout: Layout) -> None:
+    """Copy `buf` (contiguous, num_chunks * total elements) into `outs`, inverse of launch_pack."""
+    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
+    assert all(t.is_contiguous() and t.device == buf.device for t in outs)
+    d = descriptors(outs, layout, buf)
+    if d.n_blocks == 0:
+        return
+    dst = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
+    with torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext():
+        unpack_kernel[(d.n_blocks, layout.num_chunks)](
+            d.table, d.block_map, buf, layout.total, DST=dst, MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4
+        )
