@@ -113,6 +113,10 @@ def plot_losses(metrics: Dict[str, List[tuple]], path: str, title: str = "") -> 
     plt.close(fig)
 
 
+def _fmt(x: Optional[float]) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
+
+
 def _mib(n: Optional[int]) -> str:
     return "n/a" if n is None else f"{n / 2**20:.2f} MiB"
 
@@ -149,7 +153,8 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
         f"- optimizer steps: {report['steps']}",
         f"- throughput: {report['tokens_per_second']:.0f} tokens/s (all ranks, training batches only, "
         f"{report['train_seconds']:.1f} s)" if report["tokens_per_second"] else "- throughput: n/a",
-        f"- validation loss: {report['val_loss_first']} (first) -> {val_loss} (final)",
+        f"- validation loss: {_fmt(report['val_loss_first'])} (step {val[0][0]}) -> {_fmt(val_loss)} (step "
+        f"{val[-1][0]})" if val else f"- validation loss: {_fmt(val_loss)}",
         f"- validation perplexity: {val_ppl:.3f}" if val_ppl is not None and math.isfinite(val_ppl)
         else "- validation perplexity: n/a",
     ]

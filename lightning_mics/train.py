@@ -35,7 +35,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf import DictConfig, open_dict, read_write
 
 from lightning_mics.config import MiCSConfig
 
@@ -94,19 +94,27 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     model = hydra.utils.instantiate(cfg.model, _convert_="all")
     strategy = hydra.utils.instantiate(cfg.strategy, _convert_="all")
     stats = RunStats()
-    logger = hydra.utils.instantiate(cfg.logger, _convert_="all") if cfg.get("logger") else None
-    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, logger=logger,
-                                      callbacks=[*_instantiate_dict(cfg.get("callbacks")), stats], _convert_="all")
+    logger = hydra.utils.instantiate(cfg.logger, _convert_="all") if cfg.get("logger") else False
+    callbacks = [*_instantiate_dict(cfg.get("callbacks")), stats]
+    # callbacks.checkpoint=null means no checkpoint at all, not Lightning's default ModelCheckpoint
+    no_checkpoint = {} if any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks) else {
+        "enable_checkpointing": False}
+    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks,
+                                      _convert_="all", **no_checkpoint)
     trainer.fit(model, datamodule=datamodule)
 
     report: Dict[str, Any] = {}
     if trainer.is_global_zero and cfg.report:
-        metrics_csv = os.path.join(logger.log_dir, "metrics.csv") if logger is not None else ""
+        metrics_csv = os.path.join(logger.log_dir, "metrics.csv") if logger else ""
         report = write_report(trainer, stats, out_dir, metrics_csv,
                               extra={"output_dir": out_dir, "data": datamodule.source,
-                                     "model_params": model.model.num_params()})
+                                     "model_params": sum(p.numel() for p in model.parameters())})
         _print_report(report, out_dir)
     return report
+
+
+def _fmt(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
 
 
 def _print_report(report: Dict[str, Any], out_dir: str) -> None:
@@ -114,8 +122,8 @@ def _print_report(report: Dict[str, Any], out_dir: str) -> None:
     lines = [
         f"[report] {report['strategy']} on {report['world_size']} ranks, {report['steps']} optimizer steps, "
         f"{tps:.0f} tokens/s" if tps else f"[report] {report['strategy']}, {report['steps']} steps",
-        f"[report] validation loss {report['val_loss_first']} -> {report['val_loss_final']}, "
-        f"perplexity {report['val_ppl_final']}",
+        f"[report] validation loss {_fmt(report['val_loss_first'])} -> {_fmt(report['val_loss_final'])}, "
+        f"perplexity {_fmt(report['val_ppl_final'])}",
     ]
     if report.get("model_state_bytes_per_rank"):
         for rank, b in enumerate(report["model_state_bytes_per_rank"]):

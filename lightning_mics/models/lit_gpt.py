@@ -1,0 +1,97 @@
+"""The example LightningModule: a plain GPT trained on bytes. Nothing in it knows about the strategy.
+
+It is the "unchanged LightningModule" of the design card: the same file trains under any strategy. It builds
+the model in ``__init__``, logs the training loss every step and the validation loss and perplexity
+(``torchmetrics.text.Perplexity``) synchronised over ranks, and optimises with AdamW (parameter groups by
+name: no weight decay for biases, LayerNorm and embedding weights) under a linear warmup followed by a cosine
+decay to ``min_lr_ratio * lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Sequence, Set, Tuple
+
+import lightning as L
+import torch
+import torch.nn as nn
+from torchmetrics.text import Perplexity
+
+from lightning_mics.models.gpt import GPT, GPTConfig
+
+
+def no_decay_names(module: nn.Module) -> Set[str]:
+    """Names (as ``module.named_parameters()`` gives them) of biases and of LayerNorm and embedding weights.
+
+    Computed once from module types on the plain model, then matched by name, so that it does not depend on
+    the shape a strategy gives the parameters later (a sharded parameter may be flat)."""
+    skip = {id(p) for m in module.modules() if isinstance(m, (nn.LayerNorm, nn.Embedding)) for p in m.parameters()}
+    return {n for n, p in module.named_parameters() if n.endswith("bias") or id(p) in skip}
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
+    """LR multiplier: linear from ~0 to 1 over ``warmup_steps``, then cosine to ``min_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LitGPT(L.LightningModule):
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        dropout: float = 0.0,
+        bias: bool = True,
+        tie_weights: bool = True,
+        lr: float = 3e-3,
+        min_lr_ratio: float = 0.1,
+        weight_decay: float = 0.1,
+        betas: Sequence[float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                                   n_embd=n_embd, dropout=dropout, bias=bias, tie_weights=tie_weights))
+        self._no_decay = {f"model.{n}" for n in no_decay_names(self.model)}
+        self.val_ppl = Perplexity()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.model(idx)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+    def training_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self._loss(self(x), y)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_ppl.update(logits.float(), y)
+        self.log("val/loss", self._loss(logits, y), prog_bar=True, sync_dist=True)
+        self.log("val/ppl", self.val_ppl, prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self) -> Dict[str, Any]:
+        hp = self.hparams
+        named = list(self.named_parameters())
+        decay = [p for n, p in named if n not in self._no_decay and p.requires_grad]
+        no_decay = [p for n, p in named if n in self._no_decay and p.requires_grad]
+        groups: List[Dict[str, Any]] = [
+            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
+        )
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
