@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: Path, world: int, args: List[str], out_dir: Path, timeout: float = 240,
+def run_ranks(script: Path, world: int, args: List[str], out_dir: Path, timeout: float = 600,
               extra_env: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
     port = free_port()
     procs = []
