@@ -63,11 +63,7 @@ def load_full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimiz
         for name, v in st.items():
             if isinstance(v, Tensor) and id(p) in index and v.shape == index[id(p)][0].shapes[index[id(p)][1]]:
                 u, i = index[id(p)]
-                c, d0 = u.shard_rows[i], u.rows[i]
-                lo, hi = min(engine.topo.shard_rank * c, d0), min((engine.topo.shard_rank + 1) * c, d0)
-                local = torch.zeros(p.shape, dtype=v.dtype, device=p.device)
-                local[: hi - lo].copy_(v[lo:hi])
-                v = local
+                v = u.copy_local_rows_(i, v, torch.empty(p.shape, dtype=v.dtype, device=p.device))
             new[name] = v
         state[int(k)] = new
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})

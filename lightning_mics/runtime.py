@@ -83,14 +83,12 @@ class Unit:
         offsets = [0]
         for n in self.shard_numels:
             offsets.append(offsets[-1] + n)
+        self.shard_rank = rank
         self.shard_flat = torch.zeros(offsets[-1], dtype=self.dtype, device=device)
         self.sharded: List[nn.Parameter] = []
         for i, pp in enumerate(plans):
-            c, d0 = self.shard_rows[i], self.rows[i]
-            view = self.shard_flat[offsets[i]:offsets[i + 1]].view(c, *self.shapes[i][1:])
-            lo, hi = min(rank * c, d0), min((rank + 1) * c, d0)
-            with torch.no_grad():
-                view[: hi - lo].copy_(pp.param.detach()[lo:hi])
+            view = self.shard_flat[offsets[i]:offsets[i + 1]].view(self.shard_rows[i], *self.shapes[i][1:])
+            self.copy_local_rows_(i, pp.param.detach(), view)
             self.sharded.append(nn.Parameter(view, requires_grad=pp.param.requires_grad))
 
         # Full parameters: nn.Parameters aliasing one flat buffer whose storage is freed while sharded.
@@ -131,6 +129,16 @@ class Unit:
         self.pending_post_backward = 0  # forward calls whose post-backward has not fired yet
         self.needs_reduce = False  # gathered for backward since the last reduction
         self._swap(self.sharded)
+
+    @torch.no_grad()
+    def copy_local_rows_(self, i: int, full: Tensor, local: Tensor) -> Tensor:
+        """Writes this rank's rows of ``full`` (parameter ``i``'s full shape) into ``local`` (the shard's
+        shape), zero-padding the rows past the end ([Note: rank-major layout] in collectives.py)."""
+        c, d0 = self.shard_rows[i], self.rows[i]
+        lo, hi = min(self.shard_rank * c, d0), min((self.shard_rank + 1) * c, d0)
+        local.zero_()
+        local[: hi - lo].copy_(full[lo:hi])
+        return local
 
     # -- state transitions -------------------------------------------------------------------------
     def _swap(self, params: Sequence[nn.Parameter]) -> None:
@@ -371,10 +379,7 @@ class MiCSEngine:
             src = state[name]
             if id(p) in shard_ids:
                 u, i = shard_ids[id(p)]
-                c, d0 = u.shard_rows[i], u.rows[i]
-                lo, hi = min(self.topo.shard_rank * c, d0), min((self.topo.shard_rank + 1) * c, d0)
-                p.zero_()
-                p[: hi - lo].copy_(src[lo:hi])
+                u.copy_local_rows_(i, src, p)
             else:
                 p.copy_(src)
         buffers = dict(module.named_buffers())
