@@ -55,15 +55,25 @@ def pack_kernel(table, block_map, buf, total, SRC: tl.constexpr, MIXED: tl.const
         copy_block(addr, src_start, n_src, dst_addr, dst_start, n_dst, fast, SRC, DST, BLOCK)
 
 
-def launch_pack(tensors, layout: Layout, buf: torch.Tensor) -> None:
-    """Fill `buf` (contiguous, num_chunks * total elements) with the layout of `tensors`."""
+def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtype_arg: str) -> None:
+    """One launch of `kernel` over a (blocks, num_chunks) grid for `tensors` <-> `buf`.
+
+    Shared by pack and unpack; `dtype_arg` names the kernel's constexpr for the tensors' dtype
+    ("SRC" when packing them, "DST" when unpacking into them).
+    """
     assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
     assert all(t.is_contiguous() and t.device == buf.device for t in tensors)
     d = descriptors(tensors, layout, buf)
     if d.n_blocks == 0:
         return
-    src = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
+    dtype = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
     with torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext():
-        pack_kernel[(d.n_blocks, layout.num_chunks)](
-            d.table, d.block_map, buf, layout.total, SRC=src, MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4
+        kernel[(d.n_blocks, layout.num_chunks)](
+            d.table, d.block_map, buf, layout.total, MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4,
+            **{dtype_arg: dtype},
         )
+
+
+def launch_pack(tensors, layout: Layout, buf: torch.Tensor) -> None:
+    """Fill `buf` (contiguous, num_chunks * total elements) with the layout of `tensors`."""
+    launch_table_kernel(pack_kernel, tensors, layout, buf, "SRC")

@@ -12,7 +12,6 @@ Mixed output dtypes: as in pack.py, one compiled dtype when the outputs agree, e
 branch on the dtype tag of its table row.
 """
 
-import contextlib
 
 import torch
 import triton
@@ -20,8 +19,8 @@ import triton.language as tl
 
 from ._checks import Layout
 from ._copy import copy_block
-from ._table import ALIGNED, BLOCK, NCOLS, descriptors
-from .pack import TL_DTYPES
+from ._table import ALIGNED, NCOLS
+from .pack import launch_table_kernel
 
 _NCOLS = tl.constexpr(NCOLS)
 _ALIGNED = tl.constexpr(ALIGNED)
@@ -55,13 +54,4 @@ def unpack_kernel(table, block_map, buf, total, DST: tl.constexpr, MIXED: tl.con
 
 def launch_unpack(buf: torch.Tensor, outs, layout: Layout) -> None:
     """Copy `buf` (contiguous, num_chunks * total elements) into `outs`, inverse of launch_pack."""
-    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
-    assert all(t.is_contiguous() and t.device == buf.device for t in outs)
-    d = descriptors(outs, layout, buf)
-    if d.n_blocks == 0:
-        return
-    dst = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
-    with torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext():
-        unpack_kernel[(d.n_blocks, layout.num_chunks)](
-            d.table, d.block_map, buf, layout.total, DST=dst, MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4
-        )
+    launch_table_kernel(unpack_kernel, outs, layout, buf, "DST")
