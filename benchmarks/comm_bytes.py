@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_mics.models import GPT, GPTConfig  # noqa: E402
+from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)

@@ -68,7 +68,7 @@ class ShardingPlan:
 
 
 def resolve_classes(names: Optional[Sequence], option: str) -> Optional[Tuple[Type[nn.Module], ...]]:
-    """Dotted names (``"lightning_mics.models.gpt.Block"``) or classes -> classes; ValueError names the option."""
+    """Dotted names (``"lightning_mics.app.models.gpt.Block"``) or classes -> classes; ValueError names the option."""
     if names is None:
         return None
     out = []

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics.models import GPT, GPTConfig  # noqa: E402
+from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 VOCAB, SEQ = 61, 12  # deliberately odd sizes: uneven shards and padding

@@ -19,7 +19,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics.models import GPT, GPTConfig  # noqa: E402
+from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 
 BLOW_UP_STEP = 1
 

@@ -13,7 +13,7 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_mics  # noqa: E402,F401  registers "mics"
-from lightning_mics.models import GPT, GPTConfig  # noqa: E402
+from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 
 
 class Module(L.LightningModule):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torchmetrics.text import Perplexity
 
-from lightning_mics.models.gpt import GPT, GPTConfig
+from lightning_mics.app.models.gpt import GPT, GPTConfig
 
 
 def no_decay_names(module: nn.Module) -> Set[str]:

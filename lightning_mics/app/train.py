@@ -1,16 +1,21 @@
 """The main job: train a small GPT on a byte corpus with the configured strategy (default: MiCS). Hydra app.
 
-    lightning-mics-train                                   # = python -m lightning_mics.train; CPU, 2 ranks
+    lightning-mics-train                                   # = python -m lightning_mics.app.train; CPU, 2 ranks
     lightning-mics-train strategy.sharded_data_parallel_degree=2 trainer.devices=4 \\
         trainer.accumulate_grad_batches=4 model.n_layer=6
     lightning-mics-train strategy=ddp                      # same job on Lightning's DDP
     lightning-mics-train trainer=gpu model.n_layer=12 model.n_embd=768
     lightning-mics-train -m strategy.sharded_data_parallel_degree=1,2 trainer.devices=2   # sweep
     lightning-mics-train --cfg job                         # print the composed config and exit
+    lightning-mics-train --config-dir my_conf model=my_model data=my_data   # your own config groups
 
-Configs live in ``conf/`` at the repository root (the package is installed editable). Each run writes into its
-Hydra output folder (``outputs/<date>/<time>/``, or ``multirun/<date>/<time>/<job>/``): ``csv/metrics.csv``,
-``checkpoints/last.ckpt``, ``report.json``, ``report.md`` and ``loss.png``.
+Configs live in ``conf/`` at the repository root; the wheel installs that folder as the package
+``lightning_mics.app.conf`` (see pyproject.toml) and the app reads it through Hydra's search path
+``pkg://lightning_mics.app.conf``, in an installed wheel and in an editable install alike, from any working
+folder. ``--config-dir DIR`` (or ``hydra.searchpath=[file://DIR]``) adds a folder of your own config groups
+(``DIR/model/my_model.yaml`` selected as ``model=my_model``). Each run writes into its Hydra output folder
+(``outputs/<date>/<time>/``, or ``multirun/<date>/<time>/<job>/``) under the working folder:
+``csv/metrics.csv``, ``checkpoints/last.ckpt``, ``report.json``, ``report.md`` and ``loss.png``.
 
 [Note: ranks under Hydra]
 Lightning's ``_SubprocessScriptLauncher`` starts ranks 1..n-1 by re-running this command with
@@ -27,7 +32,6 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Dict, List
 
 import hydra
@@ -39,7 +43,9 @@ from omegaconf import DictConfig, open_dict, read_write
 
 from lightning_mics.config import MiCSConfig
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+# The configs as a Python package (conf/ mapped to lightning_mics.app.conf by pyproject.toml).
+CONF_MODULE = "lightning_mics.app.conf"
+CONF_PATH = f"pkg://{CONF_MODULE}"
 
 
 @dataclass
@@ -86,7 +92,7 @@ def _instantiate_dict(node: Any) -> List[Any]:
 def train(cfg: DictConfig) -> Dict[str, Any]:
     import lightning as L
 
-    from lightning_mics.report import RunStats, write_report
+    from lightning_mics.app.report import RunStats, write_report
 
     out_dir = HydraConfig.get().runtime.output_dir
     L.seed_everything(cfg.seed, workers=True)
@@ -107,32 +113,22 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     if trainer.is_global_zero and cfg.report:
         metrics_csv = os.path.join(logger.log_dir, "metrics.csv") if logger else ""
         report = write_report(trainer, stats, out_dir, metrics_csv,
-                              extra={"output_dir": out_dir, "data": datamodule.source,
+                              extra={"output_dir": out_dir, "data": getattr(datamodule, "source", None),
+                                     "model": cfg.model.get("_target_"),
                                      "model_params": sum(p.numel() for p in model.parameters())})
         _print_report(report, out_dir)
     return report
 
 
-def _fmt(x: Any) -> str:
-    return "n/a" if x is None else f"{x:.4f}"
-
-
 def _print_report(report: Dict[str, Any], out_dir: str) -> None:
-    tps = report.get("tokens_per_second")
-    lines = [
-        f"[report] {report['strategy']} on {report['world_size']} ranks, {report['steps']} optimizer steps, "
-        f"{tps:.0f} tokens/s" if tps else f"[report] {report['strategy']}, {report['steps']} steps",
-        f"[report] validation loss {_fmt(report['val_loss_first'])} -> {_fmt(report['val_loss_final'])}, "
-        f"perplexity {_fmt(report['val_ppl_final'])}",
-    ]
-    if report.get("model_state_bytes_per_rank"):
-        for rank, b in enumerate(report["model_state_bytes_per_rank"]):
-            lines.append(f"[report] model-state bytes, rank {rank}: {b}")
+    from lightning_mics.app.report import summary_lines
+
+    lines = [f"[report] {line}" for line in summary_lines(report)]
     lines.append(f"[report] written to {out_dir}/report.md, report.json, loss.png")
     print("\n".join(lines), flush=True)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+@hydra.main(config_path=CONF_PATH, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     launched_here = "LOCAL_RANK" not in os.environ  # rank 0 of this job (ranks 1.. are its children)
     env_before = dict(os.environ)

@@ -1,0 +1,3 @@
+from lightning_mics.app.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]
