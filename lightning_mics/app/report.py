@@ -4,8 +4,9 @@ unsharded figure, bytes per collective and group per optimizer step, and a loss 
 :class:`RunStats` is a callback that measures while the Trainer runs, on every rank:
 
 - training time (training batches only) and the samples and tokens they held;
-- the strategy's per-rank model-state bytes, ``trainer.strategy.model_state_bytes()``, gathered from every rank
-  with one collective at the end of training while the strategy still holds its shards;
+- the strategy's per-rank model-state bytes, ``trainer.strategy.model_state_bytes()``, read before each
+  optimizer step (when the step's gradients exist) and gathered from every rank with one collective at the end
+  of training;
 - the strategy's telemetry after each optimizer step, ``trainer.strategy.comm_stats`` (``{"comm/<op>/<group>/
   bytes": ..., "comm/<op>/<group>/calls": ...}`` for that step);
 - the *unsharded* model-state bytes, measured when fit has ended and the module and optimizer are plain again
@@ -92,6 +93,7 @@ class RunStats(L.Callback):
         self.comm_steps: List[Dict[str, float]] = []  # trainer.strategy.comm_stats after each optimizer step
         self._t0: Optional[float] = None
         self._last_step = -1
+        self._step_state: Any = None  # this rank's model-state bytes before the latest optimizer step
 
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -113,14 +115,25 @@ class RunStats(L.Callback):
             if stats:
                 self.comm_steps.append({k: float(v) for k, v in stats.items()})
 
-    def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
-        self.world_size = trainer.world_size
+    @staticmethod
+    def _local_state_bytes(trainer: "L.Trainer") -> Any:
         msb = getattr(trainer.strategy, "model_state_bytes", None)
         if msb is None:
-            return
+            return None
         local = msb() if callable(msb) else msb
-        if isinstance(local, dict):
-            local = {k: int(v) for k, v in local.items()}
+        return {k: int(v) for k, v in local.items()} if isinstance(local, dict) else local
+
+    def on_before_optimizer_step(self, trainer: "L.Trainer", pl_module: "L.LightningModule",
+                                 optimizer: Any) -> None:
+        # Read while a step's gradients exist (and, after the first step, the optimizer's state): the model
+        # state a rank holds during training, comparable with the unsharded figure, which counts both.
+        self._step_state = self._local_state_bytes(trainer)
+
+    def on_train_end(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self.world_size = trainer.world_size
+        local = self._step_state if self._step_state is not None else self._local_state_bytes(trainer)
+        if local is None:
+            return
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered: List[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, local)
