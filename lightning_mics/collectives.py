@@ -14,6 +14,7 @@ reduce-scatter input for gradients is ``chunk_cat(full_grads, s)``, whose row j 
 
 from __future__ import annotations
 
+import time
 from typing import List, NamedTuple, Optional, Sequence
 
 import torch
@@ -98,6 +99,28 @@ def all_reduce_sum(
     work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     _record(log, "all_reduce", group_name, tensor.numel() * tensor.element_size())
     return work if async_op else None
+
+
+def wait(work: Optional[dist.Work], log: Optional[CommLog] = None) -> None:
+    """Waits for an async collective; the time blocked is what telemetry calls waiting on communication."""
+    if work is None:
+        return
+    t0 = time.perf_counter()
+    work.wait()
+    if log is not None:
+        log.waited(time.perf_counter() - t0)
+
+
+def gather_flat(shard: Tensor, group: dist.ProcessGroup, group_size: int, dst: int) -> Optional[Tensor]:
+    """Gathers equal-size 1-D shards onto global rank ``dst`` as ``(group_size, S)``; None on the others."""
+    if group_size == 1:
+        return shard.view(1, -1)
+    if dist.get_rank() == dst:
+        out = torch.empty(group_size, shard.numel(), dtype=shard.dtype, device=shard.device)
+        dist.gather(shard, list(out.unbind(0)), dst=dst, group=group)
+        return out
+    dist.gather(shard, None, dst=dst, group=group)
+    return None
 
 
 def copy_out(gathered: Tensor, fulls: List[Tensor], group_size: int, kernels: str = "auto") -> None:

@@ -1,30 +1,47 @@
-"""Forward/backward hooks that gather and release units, reduce gradients, and sync replicas.
+"""Units and the hooks that drive them: gather before compute, release after, reduce gradients, sync replicas.
 
 [Note: one optimizer step]
-forward, unit by unit:  pre-hook gathers the unit (all-gather of its flat shard in the shard group, copy-out
-                        into full parameters, which are swapped into the modules); post-hook releases them
-                        (swap the shards back, free the storage) and hooks the outputs for backward.
-backward, reverse:      a hook on the unit's outputs gathers it again; an autograd function on its inputs
-                        fires once the unit's backward is done: gradients are laid out rank-major in buckets,
-                        reduce-scattered in the shard group and added to the unit's fp32 shard accumulator;
-                        the full gradients and parameters are freed.
-end of backward:        a callback queued on the autograd engine reduces any unit whose inputs needed no
-                        gradient, then, only at an accumulation boundary (Lightning's block_backward_sync marks
-                        the others), all-reduces the accumulators across the replica group (MiCS 2-hop sync)
-                        and the replicated small parameters' gradients across the world, and hands the
-                        shard gradients to the optimizer as ``param.grad``.
+forward, unit by unit:  the outermost entry into a unit (its module, or for the root any module holding a root
+                        parameter) finishes its all-gather (issued earlier by a prefetch, or now), swaps the full
+                        parameters into the modules and prefetches the next units ([Note: prefetch] in
+                        schedule.py); when the last nested call returns, the unit is released (or kept for
+                        backward) and hooks its outputs for backward.
+backward, reverse:      a hook on the unit's outputs gathers it again; the unit's gradients are complete when an
+                        autograd function on its inputs fires (or, for a unit whose inputs need no gradient, when
+                        every trainable parameter's gradient has been accumulated): they are reduce-scattered in
+                        the shard group (async) into the unit's accumulator and the unit is released.
+end of backward:        a callback on the autograd engine reduces what is left, then, only at an accumulation
+                        boundary (Lightning's block_backward_sync marks the others), all-reduces the accumulators
+                        across the replica group (MiCS 2-hop sync) and the replicated parameters' gradients
+                        across the world, and adds the result to the DTensor parameters' ``.grad`` (added, as
+                        plain PyTorch does, when the user has not zeroed them).
+optimizer step:         the user's optimizer steps the DTensor shards ([Note: placement] in placement.py); a
+                        post-step hook refreshes any unit that is still gathered (manual optimization steps inside
+                        the root's forward) and drops stale prefetches.
+
+[Note: unit lifecycle]
+``ShardedState``: SHARDED -> GATHERING (all-gather issued) -> GATHERED (copied out, full parameters in the
+modules) -> SHARDED. ``TrainingState``: IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE.
+``depth`` counts nested forward calls into the unit; only the outermost one gathers, hooks the backward and
+releases. Whether autograd is running comes from autograd itself (``_current_graph_task_id``): a forward that
+runs inside backward (activation checkpointing's recomputation) finds its unit gathered by the pre-backward
+hook and neither counts nor releases. Manual optimization runs backward and ``optimizer.step`` inside the
+root's forward: the end-of-backward callback reduces the root without releasing it (depth > 0), and the
+post-step hook refreshes it.
 
 [Note: version counters]
-Autograd saves the full parameters for backward. Between forward and backward their storage is freed and
-then refilled by the re-gather, an in-place write that would bump the version counter and make autograd
-refuse the saved tensors; the refill restores the counter, as FSDP2 does, because the values are the same.
+Autograd saves the full parameters for backward. Between forward and backward their storage is freed and then
+refilled by the re-gather, an in-place write that would bump the version counter and make autograd refuse the
+saved tensors; the refill restores the counter, as FSDP2 does, because the values are the same. The refresh
+after an optimizer step does bump it: the values changed, and a graph built before the step must fail as it
+would in plain PyTorch.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,188 +50,357 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_mics import collectives as C
-from lightning_mics.sharding import ParamPlan, UnitPlan, plan_sharding, resolve_classes
+from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
+from lightning_mics.schedule import Schedule
+from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.telemetry import CommLog
 from lightning_mics.topology import Topology
 
 
-class ShardState(enum.Enum):
+class ShardedState(enum.Enum):
     SHARDED = "sharded"  # only the local flat shard exists
+    GATHERING = "gathering"  # all-gather issued, not yet copied out
     GATHERED = "gathered"  # full parameters are swapped into the modules
 
 
-class _Bucket:
-    """A run of a unit's trainable parameters whose gradients are reduced in one collective."""
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
 
-    def __init__(self, first: int, last: int, offset: int, numel: int) -> None:
-        self.first, self.last = first, last  # parameter slots [first, last)
-        self.offset, self.numel = offset, numel  # region of the unit's flat shard
+
+def in_backward() -> bool:
+    """Whether the autograd engine is executing a backward pass on this thread (as FSDP2 asks it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _Bucket(NamedTuple):
+    slots: Tuple[int, ...]  # indices into Unit.params
+    lo: int  # region of the flat shard when the slots are consecutive, else -1
+    hi: int
+
+
+class _PendingReduce(NamedTuple):
+    unit: "Unit"
+    bucket: _Bucket
+    result: C.ReduceScatterResult
+    keep_alive: Tensor  # the reduce-scatter input, alive until the collective is done
 
 
 class Unit:
-    """One gather/release unit: its flat shard, its full parameters, its gradient accumulator."""
+    """One gather/release unit: its flat shard, full parameters, replicated parameters and gradient state."""
 
-    def __init__(self, plan: UnitPlan, topo: Topology, param_dtype: Optional[torch.dtype],
+    def __init__(self, plan: UnitPlan, topo: Topology, *, param_dtype: Optional[torch.dtype],
                  reduce_dtype: torch.dtype, bucket_size: int, kernels: str, log: CommLog,
                  device: torch.device) -> None:
         self.path = plan.path or "<root>"
         self.module = plan.module
         self.topo, self.kernels, self.log = topo, kernels, log
-        s, rank = topo.layout.shard_size, topo.shard_rank
-        self.s = s
-        # Trainable parameters first so that the gradient region is one contiguous prefix.
-        plans: List[ParamPlan] = sorted(plan.params, key=lambda pp: not pp.param.requires_grad)
-        dtypes = {pp.param.dtype for pp in plans} or {torch.get_default_dtype()}  # the root may own nothing
-        if len(dtypes) != 1:
+        self.s = topo.layout.shard_size
+        self.world_size = topo.layout.world_size
+        self.bucket_size = bucket_size
+        dtypes = {pp.param.dtype for pp in plan.params}
+        if len(dtypes) > 1:
             raise ValueError(f"unit {self.path!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                              "MiCSStrategy needs one dtype per unit (see the shard_units option)")
-        self.dtype = dtypes.pop()
+        self.dtype = dtypes.pop() if dtypes else torch.get_default_dtype()
         self.param_dtype = param_dtype or self.dtype
         self.reduce_dtype = reduce_dtype
-        self.refs = [pp.refs for pp in plans]
-        self.shapes = [pp.param.shape for pp in plans]
-        self.rows = [shape[0] for shape in self.shapes]
-        self.shard_rows = [math.ceil(d0 / s) for d0 in self.rows]
-        self.shard_numels = [c * pp.param[0].numel() if d0 else 0 for c, d0, pp in
-                             zip(self.shard_rows, self.rows, plans)]
-        self.n_trainable = sum(pp.param.requires_grad for pp in plans)
-        self.fqns = [pp.fqn for pp in plans]
+        self.device = device
 
+        # Sharded parameters: padded regions of one flat shard (the optimizer's DTensors are views into it).
+        rows = [Rows(pp.param.shape[0], pp.param[0].numel() if pp.param.shape[0] else 0, self.s, topo.shard_rank)
+                for pp in plan.params]
         offsets = [0]
-        for n in self.shard_numels:
-            offsets.append(offsets[-1] + n)
-        self.shard_rank = rank
+        for r in rows:
+            offsets.append(offsets[-1] + r.padded_numel)
         self.shard_flat = torch.zeros(offsets[-1], dtype=self.dtype, device=device)
-        self.sharded: List[nn.Parameter] = []
-        for i, pp in enumerate(plans):
-            view = self.shard_flat[offsets[i]:offsets[i + 1]].view(self.shard_rows[i], *self.shapes[i][1:])
-            self.copy_local_rows_(i, pp.param.detach(), view)
-            self.sharded.append(nn.Parameter(view, requires_grad=pp.param.requires_grad))
+        self.params: List[ShardedParam] = []
+        for i, (pp, r) in enumerate(zip(plan.params, rows)):
+            sp = ShardedParam(i, pp.refs, pp.param, topo.mesh, r, self.shard_flat, offsets[i])
+            sp.copy_rows_from_full(pp.param.detach())
+            self.params.append(sp)
 
-        # Full parameters: nn.Parameters aliasing one flat buffer whose storage is freed while sharded.
-        full_numels = [math.prod(shape) for shape in self.shapes]
-        self.full_numel = sum(full_numels)
+        # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
+        numels = [math.prod(sp.shape) for sp in self.params]
+        self.full_numel = sum(numels)
         self.full_flat = torch.empty(self.full_numel, dtype=self.param_dtype, device=device)
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
         self.full_views: List[Tensor] = []
         start = 0
-        for n, shape in zip(full_numels, self.shapes):
-            self.full_views.append(self.full_flat[start:start + n].view(shape))
+        for sp, n in zip(self.params, numels):
+            view = self.full_flat[start:start + n].view(sp.shape)
+            self.full_views.append(view)
+            sp.full = nn.Parameter(view, requires_grad=sp.requires_grad)
             start += n
-        self.full: List[nn.Parameter] = [
-            nn.Parameter(v, requires_grad=pp.param.requires_grad) for v, pp in zip(self.full_views, plans)
-        ]
         self.full_flat.untyped_storage().resize_(0)
 
-        # Buckets over the trainable prefix, by full (unsharded) elements, at least one parameter each.
-        self.buckets: List[_Bucket] = []
-        first = 0
-        while first < self.n_trainable:
-            last, elems = first, 0
-            while last < self.n_trainable and (last == first or elems + full_numels[last] <= bucket_size):
-                elems += full_numels[last]
-                last += 1
-            self.buckets.append(_Bucket(first, last, offsets[first], offsets[last] - offsets[first]))
-            first = last
-        n_grad = offsets[self.n_trainable]
-        self.accum = torch.zeros(n_grad, dtype=reduce_dtype, device=device)
-        self.grad_buf = self.accum if reduce_dtype == self.dtype else torch.zeros(n_grad, dtype=self.dtype,
-                                                                                  device=device)
-        self.grad_views = [self.grad_buf[offsets[i]:offsets[i + 1]].view_as(self.sharded[i])
-                           for i in range(self.n_trainable)]
-        self.got_grad = torch.zeros(self.n_trainable, dtype=torch.bool)
-        self.accum_fresh = True  # the next reduction overwrites the accumulator (new accumulation window)
+        self.replicated: List[ReplicatedParam] = [
+            ReplicatedParam(i, pp.refs, pp.param, topo.mesh, device) for i, pp in enumerate(plan.replicated)]
 
-        self.state = ShardState.SHARDED
-        self.pending_post_backward = 0  # forward calls whose post-backward has not fired yet
-        self.needs_reduce = False  # gathered for backward since the last reduction
-        self._swap(self.sharded)
+        self.state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.is_prefetched = False  # issued by the schedule, not yet run
+        self.depth = 0  # nested forward calls in progress
+        self.pending_post_backward = 0  # forward calls whose post-backward has not fired
+        self.registered_post_backward = 0  # forward calls (this iteration) that hooked their inputs
+        self.accumulated = 0  # trainable full parameters whose gradient autograd accumulated this backward
+        self.needs_reduce = False
+        self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
+        self.got_grad = torch.zeros(len(self.params), dtype=torch.bool)
+        self._gather: Optional[C.AllGatherResult] = None
+        self._buckets: Dict[Tuple[int, ...], List[_Bucket]] = {}
+        self.on_accumulated: Optional[Any] = None  # the engine's post-accumulate-grad hook for the full params
+        self.hook_handles: Dict[int, Any] = {}  # registered lazily: only a tensor that requires grad takes one
+        self._swap_sharded()
 
-    @torch.no_grad()
-    def copy_local_rows_(self, i: int, full: Tensor, local: Tensor) -> Tensor:
-        """Writes this rank's rows of ``full`` (parameter ``i``'s full shape) into ``local`` (the shard's
-        shape), zero-padding the rows past the end ([Note: rank-major layout] in collectives.py)."""
-        c, d0 = self.shard_rows[i], self.rows[i]
-        lo, hi = min(self.shard_rank * c, d0), min((self.shard_rank + 1) * c, d0)
-        local.zero_()
-        local[: hi - lo].copy_(full[lo:hi])
-        return local
+    # -- properties -----------------------------------------------------------------------------------
+    @property
+    def is_live(self) -> bool:
+        return self.state is not ShardedState.SHARDED
 
-    # -- state transitions -------------------------------------------------------------------------
-    def _swap(self, params: Sequence[nn.Parameter]) -> None:
-        for refs, p in zip(self.refs, params):
-            for ref in refs:
-                ref.module._parameters[ref.attr] = p
+    @property
+    def in_use(self) -> bool:
+        return self.depth > 0 or self.training_state is TrainingState.PRE_BACKWARD
 
-    def gather(self) -> None:
-        if self.state is ShardState.GATHERED:
+    def trainable(self) -> Tuple[int, ...]:
+        """Sharded parameters that take part in gradient reduction: ``requires_grad`` of the DTensor, which
+        the user sets alike on every rank, so every rank issues the same collectives."""
+        return tuple(i for i, sp in enumerate(self.params) if sp.requires_grad)
+
+    # -- swapping -------------------------------------------------------------------------------------
+    def _swap_sharded(self) -> None:
+        for p in (*self.params, *self.replicated):
+            for ref in p.refs:
+                ref.module._parameters[ref.attr] = p.sharded
+
+    def _swap_full(self) -> None:
+        for p in (*self.params, *self.replicated):
+            if p.full.requires_grad != p.sharded.requires_grad:
+                p.full.requires_grad_(p.sharded.requires_grad)
+            if (p.full.requires_grad and self.on_accumulated is not None and isinstance(p, ShardedParam)
+                    and p.index not in self.hook_handles):
+                self.hook_handles[p.index] = p.full.register_post_accumulate_grad_hook(self.on_accumulated)
+            for ref in p.refs:
+                ref.module._parameters[ref.attr] = p.full
+
+    # -- gather / release -----------------------------------------------------------------------------
+    def issue_gather(self, prefetched: bool = False) -> None:
+        """SHARDED -> GATHERING: the all-gather of the flat shard (cast to param_dtype) is issued, async."""
+        if self.state is not ShardedState.SHARDED:
             return
-        if self.full_numel == 0:  # a root that owns no sharded parameter: nothing to gather
-            self.state = ShardState.GATHERED
-            return
-        storage = self.full_flat.untyped_storage()
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
-            storage.resize_(self._full_nbytes)
-            if self.s == 1:
-                C.copy_out(self.shard_flat.view(1, -1), self.full_views, 1, self.kernels)
-            else:
-                res = C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
-                                        log=self.log, kernels=self.kernels)
-                C.copy_out(res.output, self.full_views, self.s, self.kernels)
-        self._swap(self.full)
-        self.state = ShardState.GATHERED
+        if self.params:
+            self._gather = C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s,
+                                             dtype=self.param_dtype, async_op=True, log=self.log,
+                                             kernels=self.kernels)
+        self.state = ShardedState.GATHERING
+        self.is_prefetched = prefetched
         self.log.live(self.full_numel)
 
-    def release(self) -> None:
-        if self.state is ShardState.SHARDED:
+    def finish_gather(self) -> None:
+        """-> GATHERED: waits for the all-gather, copies out into the full parameters, swaps them in."""
+        if self.state is ShardedState.GATHERED:
             return
-        self._swap(self.sharded)
-        self.full_flat.untyped_storage().resize_(0)
-        self.state = ShardState.SHARDED
+        if self.state is ShardedState.SHARDED:
+            self.issue_gather()
+        if self.params:
+            res, self._gather = self._gather, None
+            C.wait(res.work, self.log)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
+                self.full_flat.untyped_storage().resize_(self._full_nbytes)
+                C.copy_out(res.output, self.full_views, self.s, self.kernels)
+        self._swap_full()
+        self.state = ShardedState.GATHERED
+        self.is_prefetched = False
+
+    def release(self) -> None:
+        """-> SHARDED: the DTensors go back into the modules and the full storage is freed."""
+        if self.state is ShardedState.SHARDED:
+            return
+        if self._gather is not None:
+            C.wait(self._gather.work, self.log)
+            self._gather = None
+        self._swap_sharded()
+        if self.params:
+            self.full_flat.untyped_storage().resize_(0)
+        self.state = ShardedState.SHARDED
+        self.is_prefetched = False
         self.log.live(-self.full_numel)
 
-    # -- gradients ---------------------------------------------------------------------------------
-    def reduce_grads(self, world_size: int) -> None:
-        """Reduce-scatters the full gradients (bucket by bucket) into the shard accumulator; frees them."""
-        grads: List[Tensor] = []
-        for i in range(self.n_trainable):
-            g = self.full[i].grad
-            if g is None:
-                g = torch.zeros(self.shapes[i], dtype=self.param_dtype, device=self.shard_flat.device)
-            else:
-                self.got_grad[i] = True
-            grads.append(g)
-        for b in self.buckets:
-            res = C.reduce_scatter_grads(grads[b.first:b.last], self.topo.shard_group, self.s,
-                                         dtype=self.reduce_dtype, scale=1.0 / world_size, log=self.log,
-                                         kernels=self.kernels)
-            region = self.accum[b.offset:b.offset + b.numel]
-            if self.accum_fresh:
-                region.copy_(res.output)
-            else:
-                region.add_(res.output)
-        self.accum_fresh = False
-        for p in self.full[: self.n_trainable]:
-            p.grad = None
+    def refresh(self) -> None:
+        """After an optimizer step, a unit still in use gets the new values ([Note: version counters])."""
+        if not self.params or self.state is not ShardedState.GATHERED:
+            return
+        res = C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
+                                log=self.log, kernels=self.kernels)
+        with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
+            C.copy_out(res.output, self.full_views, self.s, self.kernels)
+
+    def drop(self) -> None:
+        """Local reset after a failure: no collective, no wait (a peer may be gone)."""
+        self._gather = None
+        for sp in self.params:
+            sp.full.grad = None
+        self._swap_sharded()
+        if self.params:
+            self.full_flat.untyped_storage().resize_(0)
+        if self.state is not ShardedState.SHARDED:
+            self.log.live(-self.full_numel)
+        self.state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.is_prefetched = False
+        self.depth = self.pending_post_backward = self.registered_post_backward = self.accumulated = 0
         self.needs_reduce = False
+        self.accum = None
+        self.got_grad.zero_()
+
+    # -- gradients --------------------------------------------------------------------------------------
+    def buckets(self, slots: Tuple[int, ...]) -> List[_Bucket]:
+        """Runs of ``slots`` of at most ``bucket_size`` full elements (at least one parameter each)."""
+        cached = self._buckets.get(slots)
+        if cached is not None:
+            return cached
+        out, cur, elems = [], [], 0
+        for i in slots:
+            n = math.prod(self.params[i].shape)
+            if cur and elems + n > self.bucket_size:
+                out.append(self._bucket(cur))
+                cur, elems = [], 0
+            cur.append(i)
+            elems += n
+        if cur:
+            out.append(self._bucket(cur))
+        self._buckets[slots] = out
+        return out
+
+    def _bucket(self, slots: List[int]) -> _Bucket:
+        consecutive = all(b == a + 1 for a, b in zip(slots, slots[1:]))
+        if consecutive:
+            first, last = self.params[slots[0]], self.params[slots[-1]]
+            return _Bucket(tuple(slots), first.offset, last.offset + last.rows.padded_numel)
+        return _Bucket(tuple(slots), -1, -1)
+
+    def _regions(self, bucket: _Bucket) -> List[Tensor]:
+        assert self.accum is not None
+        return [self.accum[sp.offset:sp.offset + sp.rows.padded_numel] for sp in (self.params[i] for i in bucket.slots)]
+
+    def issue_reduce(self) -> List[_PendingReduce]:
+        """Reduce-scatters the full gradients of the trainable parameters (zeros where this rank has none),
+        bucket by bucket, async; frees the full gradients. ``finish_reduce`` adds the results."""
+        self.needs_reduce = False
+        slots = self.trainable()
+        pending: List[_PendingReduce] = []
+        if slots:
+            if self.accum is None:
+                self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
+            for bucket in self.buckets(slots):
+                grads = []
+                for i in bucket.slots:
+                    g = self.params[i].full.grad
+                    if g is None:
+                        g = torch.zeros(self.params[i].shape, dtype=self.param_dtype, device=self.device)
+                    else:
+                        self.got_grad[i] = True
+                    grads.append(g)
+                res = C.reduce_scatter_grads(grads, self.topo.shard_group, self.s, dtype=self.reduce_dtype,
+                                             scale=1.0 / self.world_size, async_op=True, log=self.log,
+                                             kernels=self.kernels)
+                pending.append(_PendingReduce(self, bucket, res, res.output))
+        for sp in self.params:
+            sp.full.grad = None
+        return pending
+
+    def finish_reduce(self, p: _PendingReduce) -> None:
+        C.wait(p.result.work, self.log)
+        out = p.result.output
+        if p.bucket.lo >= 0:
+            self.accum[p.bucket.lo:p.bucket.hi].add_(out)
+        else:
+            regions = self._regions(p.bucket)
+            torch._foreach_add_(regions, list(out.split([r.numel() for r in regions])))
 
     def sync_replicas(self) -> None:
-        """Accumulation boundary: all-reduce each bucket's accumulated shard across the replica group."""
-        if self.accum_fresh:  # no gradient reached this unit in the whole window
-            self.accum.zero_()
-        if self.topo.layout.replicas > 1:
-            for b in self.buckets:
-                C.all_reduce_sum(self.accum[b.offset:b.offset + b.numel], self.topo.replica_group,
-                                 log=self.log, group_name="replicate")
-        if self.grad_buf is not self.accum:
-            self.grad_buf.copy_(self.accum)
+        """Accumulation boundary: all-reduce the window's shard gradients across the replica group."""
+        slots = self.trainable()
+        if not slots:
+            return
+        if self.accum is None:  # no gradient reached this unit in the window on this rank: still take part
+            self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
+        if self.topo.layout.replicas == 1:
+            return
+        for bucket in self.buckets(slots):
+            if bucket.lo >= 0:
+                C.all_reduce_sum(self.accum[bucket.lo:bucket.hi], self.topo.replica_group, log=self.log,
+                                 group_name="replicate")
+            else:
+                regions = self._regions(bucket)
+                buf = torch.cat(regions)
+                C.all_reduce_sum(buf, self.topo.replica_group, log=self.log, group_name="replicate")
+                torch._foreach_copy_(regions, list(buf.split([r.numel() for r in regions])))
 
-    def publish_grads(self, got_any: Tensor) -> None:
-        """Sets ``param.grad`` of the shards: a view of the gradient buffer, or None where no rank had one."""
-        for i in range(self.n_trainable):
-            self.sharded[i].grad = self.grad_views[i] if got_any[i] else None
+    def publish(self, got_any: Tensor) -> None:
+        """Adds the synced shard gradients to the DTensor parameters' ``.grad`` (sets it where it is None).
+        ``got_any[k]``: did any rank produce a gradient for the k-th trainable parameter in the window."""
+        slots = self.trainable()
+        for k, i in enumerate(slots):
+            if not bool(got_any[k]):
+                continue
+            sp = self.params[i]
+            region = self.accum[sp.offset:sp.offset + sp.rows.padded_numel]
+            new = region.view(sp.rows.chunk, *sp.shape[1:])[: sp.rows.local_rows]
+            if new.dtype != sp.local.dtype:
+                new = new.to(sp.local.dtype)
+            if sp.sharded.grad is None:
+                sp.sharded.grad = sp.wrap(new)  # a view: the accumulator's memory becomes the gradient's
+            else:
+                local(sp.sharded.grad).add_(new)
+        self.accum = None  # the next window allocates its own (the old one lives on as the gradients)
         self.got_grad.zero_()
-        self.accum_fresh = True
+
+    # -- full values (state dicts, restore) ---------------------------------------------------------------
+    def gather_rows(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, dst: Optional[int],
+                    scratch: Optional["Scratch"] = None) -> Optional[List[Optional[Tensor]]]:
+        """Full tensors from per-parameter local rows (``None``: no such tensor for that parameter).
+
+        Collective over the shard group. ``dst`` = a global rank: only it gets the result (the others hold
+        nothing more than their shard); ``dst=None``: every rank gets it. One unit's worth of memory at most;
+        ``scratch`` lends the send buffer, so a loop over units and state keys reuses one.
+        """
+        if all(t is sp.local for sp, t in zip(self.params, locals_)) and dtype == self.dtype:
+            flat = self.shard_flat  # the master shard itself is the send buffer (padding rows are zero)
+        else:
+            flat = (scratch or Scratch()).get(self.shard_flat.numel(), dtype, self.device)
+            flat.zero_()
+            for sp, t in zip(self.params, locals_):
+                if t is not None:
+                    flat[sp.offset:sp.offset + t.numel()].copy_(t.reshape(-1))
+        if dst is None:
+            out = C.all_gather_flat(flat, self.topo.shard_group, self.s).output if self.s > 1 else flat.view(1, -1)
+        else:
+            out = C.gather_flat(flat, self.topo.shard_group, self.s, dst)
+            if out is None:
+                return None
+        fulls = [torch.empty(sp.shape, dtype=dtype, device=self.device) for sp in self.params]
+        C.copy_out(out, fulls, self.s, "torch")
+        return [f if t is not None else None for f, t in zip(fulls, locals_)]
+
+    def gather_master(self, dst: Optional[int], scratch: Optional["Scratch"] = None) -> Optional[List[Tensor]]:
+        """The full parameters in the master dtype (never through param_dtype): bit-exact with the shards."""
+        return self.gather_rows([sp.local for sp in self.params], self.dtype, dst, scratch)
+
+
+class Scratch:
+    """One reusable 1-D buffer per dtype, grown to the largest request."""
+
+    def __init__(self) -> None:
+        self._bufs: Dict[torch.dtype, Tensor] = {}
+
+    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        buf = self._bufs.get(dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[dtype] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
 
 
 class _PostBackward(torch.autograd.Function):
@@ -232,43 +418,87 @@ class _PostBackward(torch.autograd.Function):
 
 
 class MiCSEngine:
-    """Shards a module in place and drives the hooks of all its units."""
+    """Shards a module in place and drives the hooks of all its units ([Note: one optimizer step])."""
 
     def __init__(self, root: nn.Module, topo: Topology, *, shard_units: Optional[Sequence],
                  persistence_threshold: int, bucket_size: int, param_dtype: Optional[torch.dtype],
-                 reduce_dtype: torch.dtype, kernels: str, device: torch.device) -> None:
+                 reduce_dtype: torch.dtype, kernels: str, device: torch.device, prefetch: int = 1,
+                 max_live_parameters: int = 10 ** 18, keep_for_backward: bool = True) -> None:
         self.root, self.topo, self.kernels = root, topo, kernels
+        self.options = dict(shard_units=shard_units, persistence_threshold=persistence_threshold,
+                            bucket_size=bucket_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                            kernels=kernels, device=device, prefetch=prefetch,
+                            max_live_parameters=max_live_parameters)
         self.world_size = topo.layout.world_size
         self.log = CommLog()
         classes = resolve_classes(shard_units, "shard_units")
         plan = plan_sharding(root, classes, persistence_threshold, topo.layout.shard_size)
-        self.units = [Unit(up, topo, param_dtype, reduce_dtype, bucket_size, kernels, self.log, device)
-                      for up in plan.units]
-        self.replicated: List[nn.Parameter] = [pp.param for pp in plan.replicated]
-        self.replicated_names = [pp.fqn for pp in plan.replicated]
+        self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_size=bucket_size,
+                           kernels=kernels, log=self.log, device=device) for up in plan.units]
+        self.device = device
+        self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward)
         self.sync_replicas = True  # False inside Lightning's block_backward_sync (not a boundary)
-        self._in_backward = False
+        self._callback_queued = False
+        self._pending_reduces: List[_PendingReduce] = []
         self._handles: List[Any] = []
-        for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(
-                self._make_pre_forward(unit), with_kwargs=True, prepend=True))
-            self._handles.append(unit.module.register_forward_hook(
-                self._make_post_forward(unit), with_kwargs=True))
+        for unit, up in zip(self.units, plan.units):
+            for module in self._entry_modules(unit, up):
+                self._handles.append(module.register_forward_pre_hook(
+                    self._make_pre_forward(unit), with_kwargs=True, prepend=True))
+                self._handles.append(module.register_forward_hook(
+                    self._make_post_forward(unit), with_kwargs=True, always_call=True))
+            unit.on_accumulated = self._make_accumulated(unit)
 
-    # -- parameters as the optimizer sees them ----------------------------------------------------
+    def _entry_modules(self, unit: Unit, plan: UnitPlan) -> List[nn.Module]:
+        """Where a unit is entered: its module; for the root also every module holding a root parameter,
+        so that the module works wherever user code calls it (hooks, callbacks, ``pl_module.model(x)``)."""
+        if unit is not self.units[0]:
+            return [unit.module]
+        refs = plan.ref_modules
+        names = {id(m): n for n, m in self.root.named_modules()}
+        paths = [names[id(m)].split(".") if names.get(id(m)) else [] for m in refs]
+        common: List[str] = []
+        for level in zip(*paths) if paths else []:
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        modules = [unit.module, self.root.get_submodule(".".join(common)) if common else self.root, *refs]
+        out, seen = [], set()
+        for m in modules:
+            if id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+        return out
+
+    # -- parameters as the optimizer sees them ------------------------------------------------------------
     def sharded_params(self) -> List[nn.Parameter]:
-        return [p for u in self.units for p in u.sharded]
+        return [p.sharded for u in self.units for p in (*u.params, *u.replicated)]
 
-    # -- hooks --------------------------------------------------------------------------------------
+    @property
+    def replicated(self) -> List[ReplicatedParam]:
+        return [rp for u in self.units for rp in u.replicated]
+
+    # -- hooks ----------------------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit):
         def hook(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
-            unit.gather()
-            if not torch.is_grad_enabled() or self._in_backward:
+            if in_backward():  # recomputation inside backward: the pre-backward hook gathered the unit
+                unit.finish_gather()
+                return args, kwargs
+            unit.depth += 1
+            if unit.depth > 1:
+                return args, kwargs
+            if unit is self.units[0]:
+                self._begin_iteration()
+            self.schedule.on_forward(unit)
+            unit.finish_gather()
+            unit.training_state = TrainingState.FORWARD
+            if not torch.is_grad_enabled():
                 return args, kwargs
             flat, spec = tree_flatten((args, kwargs))
             idx = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
             if idx:
                 unit.pending_post_backward += 1
+                unit.registered_post_backward += 1
                 outs = _PostBackward.apply(lambda: self._post_backward(unit), *(flat[i] for i in idx))
                 for i, t in zip(idx, outs):
                     flat[i] = t
@@ -278,44 +508,107 @@ class MiCSEngine:
 
     def _make_post_forward(self, unit: Unit):
         def hook(module: nn.Module, args: Tuple, kwargs: Dict, output: Any) -> Any:
-            if not self._in_backward:  # a recompute inside backward (checkpointing) keeps the unit gathered
-                unit.release()
-            if not torch.is_grad_enabled():
+            if in_backward():
                 return output
-            flat, spec = tree_flatten(output)
-            for t in flat:
-                if isinstance(t, Tensor) and t.requires_grad:
-                    t.register_hook(self._make_pre_backward(unit))
+            unit.depth = max(unit.depth - 1, 0)
+            if unit.depth > 0:
+                return output
+            unit.training_state = TrainingState.IDLE
+            grad = torch.is_grad_enabled()
+            if not (grad and self.schedule.keep_after_forward(unit)):
+                unit.release()
+            if grad and output is not None:
+                flat, _ = tree_flatten(output)
+                for t in flat:
+                    if isinstance(t, Tensor) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit))
             return output
         return hook
 
     def _make_pre_backward(self, unit: Unit):
         def hook(grad: Tensor) -> Tensor:
-            if not self._in_backward:
-                self._in_backward = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            unit.gather()
+            self._queue_end_of_backward()
+            if unit.training_state is not TrainingState.PRE_BACKWARD:
+                unit.training_state = TrainingState.PRE_BACKWARD
+                self.schedule.on_backward(unit)
+            unit.finish_gather()
             unit.needs_reduce = True
             return grad
         return hook
 
+    def _make_accumulated(self, unit: Unit):
+        def hook(param: Tensor) -> None:
+            self._queue_end_of_backward()
+            unit.needs_reduce = True
+            unit.accumulated += 1
+            # A unit whose inputs needed no gradient has no post-backward. Once the gradient of *every* sharded
+            # parameter is in, every op that uses one has run its backward (an op computes its weight's and its
+            # input's gradients in one node), so the unit can go. With a frozen sharded parameter an op of the
+            # unit may still need it: then the end-of-backward callback reduces and releases.
+            if (unit.registered_post_backward == 0 and unit.accumulated == len(unit.params)
+                    and unit.depth == 0 and unit.state is ShardedState.GATHERED):
+                self._reduce(unit)
+                unit.release()
+                unit.training_state = TrainingState.POST_BACKWARD
+        return hook
+
     def _post_backward(self, unit: Unit) -> None:
         unit.pending_post_backward -= 1
-        if unit.pending_post_backward <= 0 and unit.needs_reduce:
-            unit.reduce_grads(self.world_size)
+        if unit.pending_post_backward > 0:
+            return
+        if unit.needs_reduce:
+            self._reduce(unit)
+        if unit.depth == 0:
             unit.release()
+        unit.training_state = TrainingState.POST_BACKWARD
+
+    def _reduce(self, unit: Unit) -> None:
+        self._pending_reduces.extend(unit.issue_reduce())
+        while len(self._pending_reduces) > 1:  # one reduce-scatter in flight while the next one is built
+            p = self._pending_reduces.pop(0)
+            p.unit.finish_reduce(p)
+
+    def _drain_reduces(self) -> None:
+        while self._pending_reduces:
+            p = self._pending_reduces.pop(0)
+            p.unit.finish_reduce(p)
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        self._callback_queued = False
         for unit in reversed(self.units):  # same order on every rank
             if unit.needs_reduce:
-                unit.reduce_grads(self.world_size)
-            unit.release()
-            unit.pending_post_backward = 0
-        self._in_backward = False
+                self._reduce(unit)
+            if unit.depth == 0:
+                unit.release()
+            unit.pending_post_backward = unit.registered_post_backward = unit.accumulated = 0
+            unit.training_state = TrainingState.IDLE
+        self._drain_reduces()
+        self.schedule.end_backward()
         if self.sync_replicas:
             self.sync()
 
-    # -- accumulation boundary ----------------------------------------------------------------------
+    def _begin_iteration(self) -> None:
+        """The root is entered from outside any forward: forget what a forward without backward left."""
+        for unit in self.units:
+            if unit.depth == 0 and unit is not self.units[0]:
+                unit.release()
+            unit.pending_post_backward = unit.registered_post_backward = unit.accumulated = 0
+        self.schedule.begin_iteration()
+
+    def after_optimizer_step(self) -> None:
+        """Post-step hook of every optimizer: units still in use get the new values; idle ones are released."""
+        for unit in self.units:
+            if unit.state is ShardedState.GATHERED and unit.depth > 0:
+                unit.refresh()
+            else:
+                unit.release()
+
+    # -- accumulation boundary ------------------------------------------------------------------------------
     def sync(self) -> None:
         """MiCS 2-hop sync: replica all-reduce of shard gradients, world all-reduce of replicated ones.
 
@@ -324,13 +617,12 @@ class MiCSEngine:
         """
         for unit in self.units:
             unit.sync_replicas()
-        rep = [p for p in self.replicated if p.requires_grad]
-        flags = torch.cat([u.got_grad for u in self.units] + [
-            torch.tensor([p.grad is not None for p in rep], dtype=torch.bool)]).to(torch.float32)
-        device = self.units[0].shard_flat.device if self.units else (rep[0].device if rep else torch.device("cpu"))
-        parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(torch.float32)
-                 for p in rep]
-        buf = torch.cat(parts + [flags.to(device)]) if parts else flags.to(device)
+        rep = [rp for rp in self.replicated if rp.requires_grad]
+        flags = torch.cat([u.got_grad[list(u.trainable())] for u in self.units] + [
+            torch.tensor([rp.full.grad is not None for rp in rep], dtype=torch.bool)]).to(torch.float32)
+        parts = [(rp.full.grad if rp.full.grad is not None else torch.zeros_like(rp.full)).reshape(-1).float()
+                 for rp in rep]
+        buf = torch.cat(parts + [flags.to(self.device)]) if parts else flags.to(self.device)
         if self.world_size > 1:
             if rep:
                 buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
@@ -338,84 +630,134 @@ class MiCSEngine:
         got = buf[buf.numel() - flags.numel():].cpu() > 0
         start = 0
         for unit in self.units:
-            unit.publish_grads(got[start:start + unit.n_trainable])
-            start += unit.n_trainable
+            n = len(unit.trainable())
+            unit.publish(got[start:start + n])
+            start += n
         offset = 0
-        for k, p in enumerate(rep):
-            n = p.numel()
+        for k, rp in enumerate(rep):
+            n = rp.local.numel()
             if got[start + k]:
-                p.grad = buf[offset:offset + n].view_as(p).to(p.dtype)
-            else:
-                p.grad = None
+                new = buf[offset:offset + n].view_as(rp.local).to(rp.local.dtype)
+                if rp.sharded.grad is None:
+                    rp.sharded.grad = rp.wrap(new)
+                else:
+                    local(rp.sharded.grad).add_(new)
+            rp.full.grad = None
             offset += n
 
-    # -- whole-model views ---------------------------------------------------------------------------
+    # -- whole-model views ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def full_state_dict(self, module: nn.Module, prefix_to_strip: str = "") -> Dict[str, Tensor]:
-        """Gathers unit by unit; returns the module's own state dict with full tensors on CPU (every rank)."""
+    def full_state_dict(self, dst: Optional[int] = 0) -> Dict[str, Tensor]:
+        """The module's own state dict with full CPU tensors in the master dtype, gathered unit by unit onto
+        global rank ``dst`` ({} elsewhere); ``dst=None``: on every rank. Collective."""
+        rank = dist.get_rank()
+        keep = dst is None or rank == dst
         full: Dict[int, Tensor] = {}
+        scratch = Scratch()
         for unit in self.units:
-            unit.gather()
-            for shard, p in zip(unit.sharded, unit.full):
-                full[id(shard)] = p.detach().to(unit.dtype).cpu().clone()
-            unit.release()
+            if dst is not None and rank not in self.topo.layout.shard_group_of(dst):
+                continue  # only dst's shard group takes part
+            values = unit.gather_master(dst, scratch) if unit.params else []
+            if keep and values is not None:
+                for sp, v in zip(unit.params, values):
+                    full[id(sp.sharded)] = full[id(sp.full)] = v.cpu()
+            for rp in unit.replicated:
+                if keep:
+                    full[id(rp.sharded)] = full[id(rp.full)] = rp.local.detach().cpu().clone()
+        if not keep:
+            return {}
         out = {}
-        for name, t in module.state_dict(keep_vars=True).items():
-            out[name] = full.get(id(t), None)
-            if out[name] is None:
-                out[name] = t.detach().cpu().clone()
+        for name, t in self.root.state_dict(keep_vars=True).items():
+            v = full.get(id(t))
+            out[name] = v if v is not None else local(t).detach().cpu().clone()
         return out
 
     @torch.no_grad()
-    def load_full_state_dict(self, state: Dict[str, Tensor], module: nn.Module, strict: bool = True) -> None:
-        """Copies this rank's rows of every full tensor into its shard; replicated ones are copied whole."""
-        named = dict(module.named_parameters(remove_duplicate=False))
-        shard_ids = {id(p): (u, i) for u in self.units for i, p in enumerate(u.sharded)}
-        missing = []
-        for name, p in named.items():
+    def load_full_state_dict(self, state: Dict[str, Tensor], strict: bool = True) -> None:
+        """Copies this rank's rows of every full tensor into its shard; replicated ones and buffers whole."""
+        by_id = {}
+        for u in self.units:
+            for p in (*u.params, *u.replicated):
+                by_id[id(p.sharded)] = by_id[id(p.full)] = p
+        own = self.root.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        if strict and (missing or unexpected):
+            raise KeyError(f"state dict does not match the module: missing {missing}, unexpected {unexpected}")
+        for name, t in own.items():
             if name not in state:
-                missing.append(name)
                 continue
-            src = state[name]
-            if id(p) in shard_ids:
-                u, i = shard_ids[id(p)]
-                u.copy_local_rows_(i, src, p)
+            src = state[name].to(self.device)
+            slot = by_id.get(id(t))
+            if slot is not None:
+                slot.copy_rows_from_full(src)
             else:
-                p.copy_(src)
-        buffers = dict(module.named_buffers())
-        for name, b in buffers.items():
-            if name in state:
-                b.copy_(state[name])
-        if strict and missing:
-            raise KeyError(f"missing keys in state dict: {missing}")
+                local(t).copy_(src)
 
     def restore_module(self) -> Dict[int, nn.Parameter]:
-        """Removes the hooks and puts full, ordinary parameters back into the modules (after fit).
-
-        Returns ``{id(shard): full parameter}`` so optimizers can be re-pointed at the full parameters."""
+        """Removes the hooks and puts full, plain parameters (master dtype) back into the modules, unit by
+        unit. Collective. Returns ``{id(DTensor parameter): plain parameter}`` for re-pointing optimizers."""
+        self.remove_hooks()
         mapping: Dict[int, nn.Parameter] = {}
+        scratch = Scratch()
+        with torch.no_grad():
+            for unit in self.units:
+                unit.release()
+                values = unit.gather_master(None, scratch) if unit.params else []
+                for sp, v in zip(unit.params, values):
+                    p = nn.Parameter(v, requires_grad=sp.requires_grad)
+                    mapping[id(sp.sharded)] = p
+                    for ref in sp.refs:
+                        ref.module._parameters[ref.attr] = p
+                for rp in unit.replicated:
+                    p = nn.Parameter(rp.local, requires_grad=rp.requires_grad)
+                    mapping[id(rp.sharded)] = p
+                    for ref in rp.refs:
+                        ref.module._parameters[ref.attr] = p
+        return mapping
+
+    def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        with torch.no_grad():
-            for unit in self.units:
-                unit.gather()
-                restored = [nn.Parameter(p.detach().to(unit.dtype).clone(), requires_grad=p.requires_grad)
-                            for p in unit.full]
-                unit.release()
-                unit._swap(restored)
-                unit.full_flat = torch.empty(0)
-                mapping.update({id(sh): p for sh, p in zip(unit.sharded, restored)})
-        return mapping
+        for unit in self.units:
+            unit.on_accumulated = None
+            for h in unit.hook_handles.values():
+                h.remove()
+            unit.hook_handles.clear()
 
-    # -- accounting ----------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """After an exception: every unit back to SHARDED locally, no collective (peers may be gone)."""
+        self._pending_reduces.clear()
+        self._callback_queued = False
+        for unit in self.units:
+            unit.drop()
+        for rp in self.replicated:
+            rp.full.grad = None
+
+    # -- accounting ---------------------------------------------------------------------------------------
     def model_state_bytes(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state (no transient buffers)."""
-        def nbytes(t: Tensor) -> int:
-            return t.numel() * t.element_size()
-        params = sum(nbytes(u.shard_flat) for u in self.units) + sum(nbytes(p) for p in self.replicated)
-        grads = sum(nbytes(u.accum) + (nbytes(u.grad_buf) if u.grad_buf is not u.accum else 0) for u in self.units)
-        grads += sum(nbytes(p) for p in self.replicated if p.requires_grad)
+        """Bytes this rank holds for parameters, gradients and optimizer state (no transient buffers),
+        counted from storages: each storage once, whatever views alias it."""
+        seen: set = set()
+
+        def nbytes(t: Optional[Tensor]) -> int:
+            if t is None:
+                return 0
+            t = local(t)
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key in seen or st.nbytes() == 0:
+                return 0
+            seen.add(key)
+            return st.nbytes()
+
+        params = sum(nbytes(u.shard_flat) for u in self.units) + sum(nbytes(rp.local) for rp in self.replicated)
+        grads = 0
+        for u in self.units:
+            grads += nbytes(u.accum)
+            grads += sum(nbytes(p.sharded.grad) for p in (*u.params, *u.replicated))
+            grads += sum(nbytes(rp.full.grad) for rp in u.replicated)
         opt = 0
         for o in optimizers:
             for st in o.state.values():

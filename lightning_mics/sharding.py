@@ -10,7 +10,9 @@ common ancestor unit, and ``register_parameter(module, param)`` (the seed's case
 module's weight in its forward) widens a parameter's owner to include ``module``.
 
 A parameter stays whole on every rank ("replicated", never gathered, reduced once per optimizer step over
-the whole world) when it has fewer elements than ``param_persistence_threshold``, is 0-d, or when s == 1.
+the whole world) when it has fewer elements than ``param_persistence_threshold``, is 0-d or empty, or when
+s == 1. A replicated parameter still belongs to the unit that owns it by the rule above: the unit swaps its
+plain form into the modules while it runs and its DTensor form back afterwards ([Note: placement]).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class ParamRef:
 class ParamPlan:
     param: nn.Parameter
     refs: List[ParamRef]
-    unit: Optional[str]  # unit path ("" = root); None = replicated
+    unit: Optional[str]  # owning unit path ("" = root)
 
     @property
     def fqn(self) -> str:
@@ -58,13 +60,28 @@ class ParamPlan:
 class UnitPlan:
     path: str  # "" for the root
     module: nn.Module
-    params: List[ParamPlan] = field(default_factory=list)
+    params: List[ParamPlan] = field(default_factory=list)  # sharded
+    replicated: List[ParamPlan] = field(default_factory=list)  # whole on every rank
+
+    @property
+    def ref_modules(self) -> List[nn.Module]:
+        """Every module holding one of this unit's parameters in its ``_parameters``."""
+        seen, out = set(), []
+        for pp in self.params + self.replicated:
+            for ref in pp.refs:
+                if id(ref.module) not in seen:
+                    seen.add(id(ref.module))
+                    out.append(ref.module)
+        return out
 
 
 @dataclass
 class ShardingPlan:
     units: List[UnitPlan]  # root first, then in module (pre-)order
-    replicated: List[ParamPlan]
+
+    @property
+    def replicated(self) -> List[ParamPlan]:
+        return [pp for u in self.units for pp in u.replicated]
 
 
 def resolve_classes(names: Optional[Sequence], option: str) -> Optional[Tuple[Type[nn.Module], ...]]:
@@ -150,12 +167,11 @@ def plan_sharding(
             module_paths.setdefault(id(param), []).append(mpath)
 
     units = {p: UnitPlan(p, modules[p] if p else root) for p in unit_paths}
-    replicated: List[ParamPlan] = []
     for pid, plan in by_id.items():
         p = plan.param
-        if shard_size == 1 or p.dim() == 0 or p.numel() < persistence_threshold:
-            replicated.append(plan)
-            continue
         plan.unit = _common_unit(module_paths[pid], unit_paths)
-        units[plan.unit].params.append(plan)
-    return ShardingPlan([units[p] for p in unit_paths if units[p].params or p == ""], replicated)
+        if shard_size == 1 or p.dim() == 0 or p.numel() == 0 or p.numel() < persistence_threshold:
+            units[plan.unit].replicated.append(plan)
+        else:
+            units[plan.unit].params.append(plan)
+    return ShardingPlan([units[p] for p in unit_paths if units[p].params or units[p].replicated or p == ""])

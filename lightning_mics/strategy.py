@@ -3,13 +3,24 @@
 Lifecycle (same order as Lightning's DDP/ModelParallel strategies):
 ``__init__`` validates the options (scalars only) -> ``_configure_launcher`` checks the sharding degree
 against the world before any process is launched -> ``setup_environment`` creates the process group and
-the device mesh -> ``setup`` shards the LightningModule, then lets its ``configure_optimizers`` build the
-optimizer over the local shards -> the loops run through the hooks -> ``teardown`` puts full, ordinary
-parameters back into the module.
+the device mesh (once per strategy) -> ``setup`` shards the LightningModule, then lets its
+``configure_optimizers`` build the optimizer over the DTensor shards -> the loops run through the hooks ->
+``teardown``: see [Note: after fit].
+
+[Note: after fit]
+A model whose parameters fit in ``max_live_parameters`` (elements) is made plain again at the end of every
+``fit`` / ``validate`` / ``test`` / ``predict``: full parameters (gathered unit by unit from the fp32 masters)
+back in the modules, and the optimizer re-pointed at them with its consolidated state, exactly what DDP
+leaves. A larger model stays sharded, as FSDP2 leaves its
+module: the parameters stay DTensors, calling the module gathers unit by unit (a collective: every rank calls
+it), ``trainer.strategy.lightning_module_state_dict()`` and checkpoints work as during fit, and the next
+``fit``/``validate``/``test`` on the same layout reuses the shards. After a failed ``fit`` the module is left
+sharded the same way (without any collective: a peer may be gone), and a second ``fit`` picks it up.
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Dict, Generator, List, Mapping, Optional, Union
@@ -46,6 +57,8 @@ from lightning_mics.runtime import MiCSEngine
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# The engine that shards a module, kept beside it (never inside: the module stays picklable).
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDictionary()
 
 
 class _MiCSModule(nn.Module):
@@ -115,6 +128,8 @@ class MiCSStrategy(ParallelStrategy):
         self._topology: Optional[Topology] = None
         self._engine: Optional[MiCSEngine] = None
         self._shard_size: Optional[int] = None
+        self._step_hooks: List[Any] = []
+        self._failed = False
         self.comm_stats: Dict[str, float] = {}
 
     # -- layout -------------------------------------------------------------------------------------
@@ -220,23 +235,46 @@ class MiCSStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
-    def _shard_model(self) -> None:
+    def _engine_options(self) -> Dict[str, Any]:
         param_default, reduce_default = default_dtypes(self.precision_plugin.precision)
-        param_dtype = parse_dtype("param_dtype", self.config.param_dtype) or param_default
-        reduce_dtype = parse_dtype("reduce_dtype", self.config.reduce_dtype) or reduce_default
-        wrapper = _MiCSModule(self.lightning_module)
-        self._engine = MiCSEngine(
-            wrapper, self.topology, shard_units=self.config.shard_units,
-            persistence_threshold=self.config.param_persistence_threshold,
-            bucket_size=self.config.reduce_bucket_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-            kernels=self.config.kernels, device=self.root_device,
-        )
-        self.model = wrapper
+        cfg = self.config
+        return dict(shard_units=cfg.shard_units, persistence_threshold=cfg.param_persistence_threshold,
+                    bucket_size=cfg.reduce_bucket_size,
+                    param_dtype=parse_dtype("param_dtype", cfg.param_dtype) or param_default,
+                    reduce_dtype=parse_dtype("reduce_dtype", cfg.reduce_dtype) or reduce_default,
+                    kernels=cfg.kernels, device=self.root_device, prefetch=cfg.prefetch,
+                    max_live_parameters=cfg.max_live_parameters)
+
+    def _shard_model(self) -> None:
+        module = self.lightning_module
+        options = self._engine_options()
+        previous = _ENGINES.get(module)
+        if previous is not None and previous.topo is self.topology and previous.options == options:
+            previous.reset()  # still sharded alike (a failed fit, or a model kept sharded): reuse the shards
+            self._engine = previous
+        else:
+            if previous is not None:  # sharded under another layout or options: make it plain first (collective)
+                previous.restore_module()
+            self._engine = MiCSEngine(module, self.topology, **options)
+            _ENGINES[module] = self._engine
+        self.model = _MiCSModule(module)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+        engine = self.engine
+        ours = {id(p) for p in engine.sharded_params()}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if id(p) not in ours:
+                        raise ValueError(
+                            "MiCSStrategy: an optimizer holds a parameter that is not one of the module's own "
+                            f"(shape {tuple(p.shape)}). Build optimizers in configure_optimizers from "
+                            "self.parameters() (or named_parameters()), after the strategy has sharded the module; "
+                            "parameters captured earlier (e.g. in __init__) are no longer the module's.")
+            self._step_hooks.append(opt.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
 
     @override
     def model_to_device(self) -> None:
@@ -275,9 +313,8 @@ class MiCSStrategy(ParallelStrategy):
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        sharded = {id(p) for p in self.engine.sharded_params()}
-        return clip_grad_norm_(params, max_norm, sharded, self.topology.shard_group,
-                               self.topology.layout.shard_size, norm_type)
+        return clip_grad_norm_(params, max_norm, self.topology.shard_group, self.topology.layout.shard_size,
+                               norm_type)
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held by this rank."""
@@ -305,31 +342,35 @@ class MiCSStrategy(ParallelStrategy):
         return tensor
 
     # -- state --------------------------------------------------------------------------------------
+    def _sharded(self) -> bool:
+        return self._engine is not None and _ENGINES.get(self.lightning_module) is self._engine
+
     @override
     def lightning_module_state_dict(self) -> Dict[str, Any]:
-        """The full, unsharded state dict with the module's own keys on rank 0 ({} elsewhere). Collective."""
-        if self._engine is None:
+        """The full state dict with the module's own keys, fp32 masters, on rank 0 ({} elsewhere). Built unit
+        by unit; only rank 0's shard group takes part, and no other rank holds more than its shards."""
+        if not self._sharded():
             return super().lightning_module_state_dict()
-        full = self.engine.full_state_dict(self.lightning_module)
-        return full if self.global_rank == 0 else {}
+        return self.engine.full_state_dict(dst=0)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._engine is None:
+        if not self._sharded():
             return super().load_model_state_dict(checkpoint, strict)
-        self.engine.load_full_state_dict(checkpoint["state_dict"], self.lightning_module, strict=strict)
+        self.engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        if self._engine is None:  # after fit the optimizer holds full parameters and full state
-            return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return ckpt.full_optimizer_state(self.engine, optimizer, keep=self.global_rank == 0)
+        if self._engine is None or not any(id(p) in {id(q) for q in self._engine.sharded_params()}
+                                           for g in optimizer.param_groups for p in g["params"]):
+            return super().optimizer_state(optimizer)  # after fit the optimizer is plain again
+        return ckpt.full_optimizer_state(self.engine, optimizer, dst=0)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self._engine is None:
+        if not self._sharded():
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             ckpt.load_full_optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer), state)
@@ -340,21 +381,41 @@ class MiCSStrategy(ParallelStrategy):
         return True  # states are loaded into the shards, which exist only after setup
 
     # -- end ----------------------------------------------------------------------------------------
+    def _fits_whole(self) -> bool:
+        numel = sum(p.numel() for p in self.engine.sharded_params())  # DTensor: the global count
+        return numel <= self.config.max_live_parameters
+
     @override
     def teardown(self) -> None:
+        """[Note: after fit]."""
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks.clear()
+        keep_sharded = False
         if self._engine is not None:
-            if not getattr(self, "_failed", False):
+            if self._failed or not self._fits_whole():
+                self._engine.reset()  # every unit released; the module stays sharded, hooks on
+                keep_sharded = True  # and the engine stays, for checkpoints and state dicts after fit
+            else:
                 self._restore_plain_state()
-            self._engine = None
+                _ENGINES.pop(self.lightning_module, None)
+                self._engine = None
+        self._failed = False
         if self.lightning_module is not None:
             self.model = self.lightning_module
+        if keep_sharded:  # Lightning's teardown moves the module to CPU: not a sharded one (its mesh stays)
+            self.precision_plugin.teardown()
+            assert self.accelerator is not None
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 
     def _restore_plain_state(self) -> None:
-        """After fit: full parameters back in the module, and each optimizer re-pointed at them with its
-        consolidated (full-shape) state, so module and optimizer are plain and consistent, as after DDP."""
+        """Full parameters back in the module, and each optimizer re-pointed at them with its consolidated
+        (full-shape) state, so module and optimizer are plain and consistent, as after DDP."""
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        full_states = [ckpt.full_optimizer_state(self.engine, o, keep=True) for o in optimizers]
+        full_states = [ckpt.full_optimizer_state(self.engine, o, dst=None) for o in optimizers]
         mapping = self.engine.restore_module()
         for opt, state in zip(optimizers, full_states):
             for group in opt.param_groups:
@@ -364,7 +425,9 @@ class MiCSStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._failed = True  # never run collectives (restoring full params) after a failure
+        self._failed = True  # no collective from here on: a peer may be gone
+        if self._engine is not None:
+            self._engine.reset()
 
     @classmethod
     @override

@@ -17,11 +17,15 @@ class CommLog:
         self._window: Dict[Tuple[str, str], list] = defaultdict(lambda: [0, 0])
         self.gathered_elements = 0
         self.gathered_peak = 0
+        self.wait_seconds = 0.0
 
     def record(self, op: str, group: str, nbytes: int) -> None:
         entry = self._window[(op, group)]
         entry[0] += 1
         entry[1] += int(nbytes)
+
+    def waited(self, seconds: float) -> None:
+        self.wait_seconds += seconds
 
     def live(self, delta_elements: int) -> None:
         self.gathered_elements += delta_elements
@@ -34,7 +38,9 @@ class CommLog:
             out[f"comm/{op}/{group}/bytes"] = float(nbytes)
             out[f"comm/{op}/{group}/calls"] = float(calls)
         out["mem/gathered_elements_peak"] = float(self.gathered_peak)
+        out["time/comm_wait_s"] = float(self.wait_seconds)
         if reset:
             self._window.clear()
             self.gathered_peak = self.gathered_elements
+            self.wait_seconds = 0.0
         return out

@@ -15,7 +15,7 @@ nodes; s/p ranks) and an ``intra`` axis (one node; p ranks), used by the two-hop
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -88,6 +88,18 @@ class Topology:
     mesh: DeviceMesh  # ("replicate", "shard")
     node_mesh: Optional[DeviceMesh]  # ("replicate", "inter", "intra") when a shard group spans whole nodes
     rank: int
+    world: Any = None  # the default group these were split from ([Note: one topology per layout])
+
+    def groups(self) -> List[dist.ProcessGroup]:
+        """This rank's sub-groups (never the default group), each once."""
+        out: List[dist.ProcessGroup] = []
+        meshes = [self.mesh] + ([self.node_mesh] if self.node_mesh is not None else [])
+        for mesh in meshes:
+            for name in mesh.mesh_dim_names or ():
+                pg = mesh.get_group(name)
+                if pg is not dist.group.WORLD and all(pg is not g for g in out):
+                    out.append(pg)
+        return out
 
     @property
     def shard_group(self) -> dist.ProcessGroup:
@@ -118,10 +130,25 @@ class Topology:
         )
 
 
+# [Note: one topology per layout]
+# Sub-groups are created once per layout and process, and reused by every later fit on that layout; they are
+# never destroyed while the default group lives. Destroying them is unsafe: DeviceMesh equality ignores the
+# process groups, so DTensor's sharding-propagation cache hands a later, equal mesh the output specs of the old
+# one, whose groups no longer resolve ("Could not resolve the process group registered under the name 3").
+# So the number of live groups grows with the number of distinct layouts used in a process, not with fits.
+_TOPOLOGIES: Dict[Tuple, Topology] = {}
+
+
 def build_topology(layout: Layout, device_type: str) -> Topology:
+    """The live groups for ``layout``: created collectively on every rank the first time, reused after."""
     rank = dist.get_rank()
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"process group has {dist.get_world_size()} ranks, layout expects {layout.world_size}")
+    world = dist.distributed_c10d._get_default_group()
+    key = (layout, device_type)
+    cached = _TOPOLOGIES.get(key)
+    if cached is not None and cached.world is world:
+        return cached
     mesh = init_device_mesh(
         device_type, (layout.replicas, layout.shard_size), mesh_dim_names=("replicate", "shard")
     )
@@ -133,4 +160,6 @@ def build_topology(layout: Layout, device_type: str) -> Topology:
             torch.arange(layout.world_size).view(layout.replicas, layout.shard_size // p, p),
             mesh_dim_names=("replicate", "inter", "intra"),
         )
-    return Topology(layout, mesh, node_mesh, rank)
+    topo = Topology(layout, mesh, node_mesh, rank, world)
+    _TOPOLOGIES[key] = topo
+    return topo

@@ -26,8 +26,11 @@ def test_two_hop_sync_with_accumulation(tmp_path):
         for i, events in enumerate(r["comms"]):
             c = Counter((op, tuple(g)) for op, g, _ in events)
             boundary = (i + 1) % accum == 0
-            # forward + backward all-gather of every unit, only in the shard group
-            assert c[("all_gather", tuple(SHARD[rank]))] == 2 * n_units, (i, c)
+            # forward + backward all-gather of every unit, only in the shard group, except that the root stays
+            # gathered into backward, and from the second micro-batch on (once the order is recorded) so does
+            # the last unit of the forward ([Note: keep for backward] in schedule.py)
+            kept = 1 if i == 0 else 2
+            assert c[("all_gather", tuple(SHARD[rank]))] == 2 * n_units - kept, (i, c)
             # reduce-scatter of every bucket, every micro-batch, only in the shard group
             assert c[("reduce_scatter", tuple(SHARD[rank]))] == n_buckets, (i, c)
             # replica all-reduce: once per bucket, only at the accumulation boundary

@@ -15,9 +15,9 @@ def test_fp16_overflow_on_one_rank_skips_step_everywhere(tmp_path):
         assert r["changed"] == [True, False, True, True], r  # step 1 overflowed on rank 0 only
         assert r["scales"][0] == 65536.0 and r["scales"][1] == 32768.0, r  # the scale backed off once
         assert not r["nan"]
-        st = r["gather_dtype_bytes"]
-        # fp16 gathers (2 per step, 2 bytes) move as many bytes as one fp32 reduce-scatter (4 bytes)
-        assert st["comm/all_gather/shard/bytes"] == st["comm/reduce_scatter/shard/bytes"]
+        # as the dispatcher sees them: parameters are gathered in fp16 (half the bytes), gradients reduced in fp32
+        assert r["comm_dtypes"]["all_gather"] == ["torch.float16"], r["comm_dtypes"]
+        assert r["comm_dtypes"]["reduce_scatter"] == ["torch.float32"], r["comm_dtypes"]
     assert len({tuple(r["scales"]) for r in res}) == 1
 
 

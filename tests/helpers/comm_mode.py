@@ -26,6 +26,7 @@ class CommCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.events: List[Tuple[str, Tuple[int, ...], int]] = []  # (op, group ranks, bytes)
+        self.dtypes: List[torch.dtype] = []  # dtype of each event's largest buffer, parallel to events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -41,11 +42,14 @@ class CommCounter(TorchDispatchMode):
                     except RuntimeError:
                         pass
             # bytes of the largest buffer involved (the gathered output / the pre-reduce input)
+            dtype = None
             for a in list(args) + list(kwargs.values()):
-                ts = a if isinstance(a, (list, tuple)) else [a]
-                size = sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-                nbytes = max(nbytes, size)
+                ts = [t for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, torch.Tensor)]
+                size = sum(t.numel() * t.element_size() for t in ts)
+                if size > nbytes:
+                    nbytes, dtype = size, ts[0].dtype
             self.events.append((op, group, nbytes))
+            self.dtypes.append(dtype)
         return func(*args, **kwargs)
 
     def counts(self) -> Counter:
@@ -53,3 +57,4 @@ class CommCounter(TorchDispatchMode):
 
     def reset(self) -> None:
         self.events.clear()
+        self.dtypes.clear()

@@ -90,7 +90,9 @@ def make_optimizer(model, kind):
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=0.5, momentum=0.9)
-    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95))
+    # eps=1e-6: attention's key bias has an exactly-zero true gradient; with eps=1e-8 Adam turns fp32 round-off
+    # there (~1e-9) into lr-sized updates, so no two summation orders could agree. 1e-6 is negligible for real ones.
+    return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
 
 
 class Module(L.LightningModule):
@@ -212,9 +214,10 @@ def main():
             state_bytes.update(trainer.strategy.model_state_bytes())
             eng = trainer.strategy.engine
             state_bytes["replicated_plain"] = sum(
-                p.numel() * p.element_size() * (1 + (per_trainable if p.requires_grad else 0)) for p in eng.replicated)
+                rp.local.numel() * rp.local.element_size() * (1 + (per_trainable if rp.requires_grad else 0))
+                for rp in eng.replicated)
             state_bytes["plain"] = plain_bytes
-            state_bytes["n_buckets"] = sum(len(u.buckets) for u in eng.units)
+            state_bytes["n_buckets"] = sum(len(u.buckets(u.trainable())) for u in eng.units)
             state_bytes["n_units"] = sum(1 for u in eng.units if u.full_numel)
 
     trainer.callbacks.append(Grab())

@@ -19,6 +19,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
+from tests.helpers.comm_mode import CommCounter  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 
 BLOW_UP_STEP = 1
@@ -43,15 +44,22 @@ class Module(L.LightningModule):
 class Watch(L.Callback):
     def __init__(self):
         self.scales, self.changed, self.nan = [], [], False
+        self.comm_dtypes = {}
         self._before = None
 
     def _snapshot(self, pl_module):
-        return torch.cat([p.detach().reshape(-1).clone() for p in pl_module.parameters()])
+        # during fit the parameters are DTensors (this rank's shard): compare the local values
+        return torch.cat([p.detach().to_local().reshape(-1).clone() for p in pl_module.parameters()])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self._before = self._snapshot(pl_module)
+        self.mode = CommCounter()
+        self.mode.__enter__()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.mode.__exit__(None, None, None)
+        for (op, _, _), dtype in zip(self.mode.events, self.mode.dtypes):
+            self.comm_dtypes.setdefault(op, set()).add(str(dtype))
         after = self._snapshot(pl_module)
         self.changed.append(bool((after != self._before).any()))
         self.nan |= bool(torch.isnan(after).any() or torch.isinf(after).any())
@@ -78,7 +86,7 @@ def main():
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps({
         "scales": watch.scales, "changed": watch.changed, "nan": watch.nan,
         "scaler": type(trainer.precision_plugin.scaler).__name__,
-        "gather_dtype_bytes": trainer.strategy.comm_stats,
+        "comm_dtypes": {op: sorted(d) for op, d in watch.comm_dtypes.items()},
     }))
 
 

@@ -1,0 +1,161 @@
+"""Explicit placement: every parameter the optimizer sees is a DTensor on the (replicate, shard) mesh.
+
+[Note: placement]
+A *sharded* parameter of shape (d0, *rest) is cut on dim 0 into s chunks of c = ceil(d0 / s) rows
+(``torch.chunk``'s rows, the last chunks shorter or empty). Rank j of a shard group keeps chunk j, zero-padded
+to c rows, inside its unit's flat shard ([Note: rank-major layout] in collectives.py). The optimizer sees a
+DTensor with placements (Replicate(), Shard(0)) whose local tensor is the *unpadded* rows of that chunk, a
+view into the flat shard: an optimizer step writes the flat shard in place, and the next all-gather reads it.
+Its gradient is a DTensor with the same spec. This is FSDP2's ``FSDPParam`` layout, and DTensor's own
+uneven Shard(0) rule gives exactly these rows, so DCP, ``full_tensor()`` and redistribution all agree with it.
+
+A *replicated* parameter (small, or s == 1) is a DTensor with placements (Replicate(), Replicate()) whose
+local tensor is the whole parameter. Its plain twin (a Parameter over the same storage) is what the modules
+hold while their unit runs, and what autograd accumulates the local gradient into.
+
+While a unit runs, its modules hold plain *full* parameters: for sharded ones, views into the unit's gathered
+buffer (storage freed while the unit is sharded); for replicated ones, the plain twin. Consumers (clipping,
+checkpoints, the full state dict, the optimizer-state gather) read placement from the DTensor, never from
+shapes or ids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from lightning_mics.sharding import ParamRef
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple:
+    stride, acc = [], 1
+    for d in reversed(shape):
+        stride.append(acc)
+        acc *= max(int(d), 1)
+    return tuple(reversed(stride))
+
+
+def make_spec(mesh: DeviceMesh, sharded: bool, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
+    placements = (Replicate(), Shard(0)) if sharded else (Replicate(), Replicate())
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype))
+
+
+def as_dtensor(local: Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor over ``local`` without autograd or checks (FSDP2's ``_from_local_no_grad``)."""
+    if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:
+        spec = DTensorSpec(spec.mesh, spec.placements,
+                           tensor_meta=TensorMeta(spec.tensor_meta.shape, spec.tensor_meta.stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def is_sharded(t: Tensor) -> bool:
+    """True for a DTensor with a Shard placement (its local tensor is a slice of the whole)."""
+    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+
+
+def local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where rank ``rank`` of ``s`` finds its chunk of a (d0, *rest) parameter."""
+
+    d0: int
+    rest: int  # elements per row
+    s: int
+    rank: int
+
+    @property
+    def chunk(self) -> int:  # c: padded rows per rank
+        return math.ceil(self.d0 / self.s)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.chunk * self.rest
+
+    @property
+    def lo(self) -> int:
+        return min(self.rank * self.chunk, self.d0)
+
+    @property
+    def hi(self) -> int:
+        return min((self.rank + 1) * self.chunk, self.d0)
+
+    @property
+    def local_rows(self) -> int:
+        return self.hi - self.lo
+
+
+class ShardedParam:
+    """One sharded parameter: its padded region of the unit's flat shard, the DTensor the optimizer steps,
+    and the full plain Parameter the modules hold while the unit is gathered."""
+
+    def __init__(self, index: int, refs: List[ParamRef], orig: nn.Parameter, mesh: DeviceMesh, rows: Rows,
+                 flat_shard: Tensor, offset: int) -> None:
+        self.index, self.refs = index, refs
+        self.fqn = refs[0].fqn
+        self.shape = orig.shape
+        self.rows = rows
+        self.offset = offset  # start of the padded region in the unit's flat shard
+        self.spec = make_spec(mesh, True, orig.shape, flat_shard.dtype)
+        region = flat_shard[offset:offset + rows.padded_numel].view(rows.chunk, *orig.shape[1:])
+        self.padded = region  # (c, *rest); rows past local_rows stay zero
+        self.local = region[: rows.local_rows]
+        self.sharded = nn.Parameter(as_dtensor(self.local, self.spec), requires_grad=orig.requires_grad)
+        self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    @torch.no_grad()
+    def copy_rows_from_full(self, full: Tensor) -> None:
+        """This rank's rows of a full tensor into the shard (padding stays zero)."""
+        self.local.copy_(full[self.rows.lo:self.rows.hi])
+
+    def local_rows_of(self, full: Tensor) -> Tensor:
+        return full[self.rows.lo:self.rows.hi]
+
+    def wrap(self, local_tensor: Tensor) -> DTensor:
+        """A gradient or optimizer-state tensor of the local shape as a DTensor of this parameter's spec."""
+        return as_dtensor(local_tensor, self.spec)
+
+
+class ReplicatedParam:
+    """One replicated parameter: a (Replicate, Replicate) DTensor and its plain twin over the same storage."""
+
+    def __init__(self, index: int, refs: List[ParamRef], orig: nn.Parameter, mesh: DeviceMesh,
+                 device: torch.device) -> None:
+        self.index, self.refs = index, refs
+        self.fqn = refs[0].fqn
+        self.shape = orig.shape
+        data = orig.detach()
+        if data.device != device:
+            data = data.to(device)
+        self.spec = make_spec(mesh, False, orig.shape, data.dtype)
+        self.local = data
+        self.sharded = nn.Parameter(as_dtensor(data, self.spec), requires_grad=orig.requires_grad)
+        self.full = nn.Parameter(data, requires_grad=orig.requires_grad)
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    @torch.no_grad()
+    def copy_rows_from_full(self, full: Tensor) -> None:
+        self.local.copy_(full)
+
+    def local_rows_of(self, full: Tensor) -> Tensor:
+        return full
+
+    def wrap(self, local_tensor: Tensor) -> DTensor:
+        return as_dtensor(local_tensor, self.spec)

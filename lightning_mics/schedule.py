@@ -1,0 +1,118 @@
+"""The communication schedule: which units to all-gather ahead of time, and how much may be gathered at once.
+
+[Note: prefetch]
+An *iteration* starts when the root unit is entered from outside any forward. Each pass records the order in
+which units start: forward from the pre-forward hooks, backward from the pre-backward hooks. On the next pass,
+when the unit at position i starts, the units at positions i+1 .. i+prefetch of the recorded order get their
+all-gather *issued* (async), so the transfer overlaps unit i's compute; each is *finished* (waited for, copied
+out, swapped in) only when it runs. If a unit arrives out of the recorded order (control flow changed), nothing
+more is prefetched in that pass and the new order is recorded instead.
+
+[Note: live cap]
+``max_live_parameters`` bounds the elements gathered at once, counting issued and finished gathers alike. The
+unit about to compute is always allowed: first, units that are gathered but idle (kept for backward, or
+prefetched and not yet running) are released to make room; a prefetch that would exceed the cap is skipped,
+and that unit is gathered when it runs. So the live elements never exceed the cap plus the running unit.
+
+[Note: keep for backward]
+Releasing a unit at the end of its forward and gathering it again at the start of its backward is waste for
+the units whose backward comes first: the root (the loss is computed in it) and the last unit to start its
+forward. Those stay gathered from forward into backward when grad is enabled (FSDP2 does the same for its
+root), within the cap; anything kept and not used is released at the end of backward, at the next iteration,
+or after an optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from lightning_mics.runtime import Unit
+
+
+class Schedule:
+    def __init__(self, units: List["Unit"], prefetch: int, max_live: int, keep_for_backward: bool) -> None:
+        self.units = units
+        self.root = units[0]
+        self.prefetch = prefetch
+        self.max_live = max_live
+        self.keep_for_backward = keep_for_backward
+        self.forward_order: List["Unit"] = []
+        self.backward_order: List["Unit"] = []
+        self._forward_seen: List["Unit"] = []
+        self._backward_seen: List["Unit"] = []
+        self._forward_valid = False
+        self._backward_valid = False
+
+    # -- accounting -----------------------------------------------------------------------------------
+    def live(self) -> int:
+        return sum(u.full_numel for u in self.units if u.is_live)
+
+    def make_room(self, unit: "Unit") -> None:
+        """Before ``unit`` is gathered to run: release idle gathered units while it would exceed the cap."""
+        need = 0 if unit.is_live else unit.full_numel
+        if self.live() + need <= self.max_live:
+            return
+        for other in self._eviction_order(unit):
+            other.release()
+            if self.live() + need <= self.max_live:
+                return
+
+    def _eviction_order(self, unit: "Unit") -> List["Unit"]:
+        idle = [u for u in self.units if u is not unit and u.is_live and not u.in_use]
+        # prefetched-but-not-started last: they are the ones needed soonest
+        return sorted(idle, key=lambda u: u.is_prefetched)
+
+    def _try_prefetch(self, unit: "Unit") -> None:
+        if unit.is_live or not unit.full_numel:
+            return
+        if self.live() + unit.full_numel > self.max_live:
+            return
+        unit.issue_gather(prefetched=True)
+
+    # -- passes ---------------------------------------------------------------------------------------
+    def begin_iteration(self) -> None:
+        """The root is entered from outside any forward: a new forward pass starts."""
+        if self._forward_seen:
+            self.forward_order = self._forward_seen
+        self._forward_seen = []
+        self._forward_valid = bool(self.forward_order)
+
+    def on_forward(self, unit: "Unit") -> None:
+        pos = len(self._forward_seen)
+        self._forward_seen.append(unit)
+        order = self.forward_order
+        if self._forward_valid and (pos >= len(order) or order[pos] is not unit):
+            self._forward_valid = False
+        self.make_room(unit)
+        if self._forward_valid and self.prefetch:
+            for nxt in order[pos + 1: pos + 1 + self.prefetch]:
+                self._try_prefetch(nxt)
+
+    def on_backward(self, unit: "Unit") -> None:
+        """First pre-backward hook of ``unit`` in this backward pass."""
+        if not self._backward_seen:
+            self._backward_valid = bool(self.backward_order)
+        pos = len(self._backward_seen)
+        self._backward_seen.append(unit)
+        order = self.backward_order
+        if self._backward_valid and (pos >= len(order) or order[pos] is not unit):
+            self._backward_valid = False
+        self.make_room(unit)
+        if self._backward_valid and self.prefetch:
+            for nxt in order[pos + 1: pos + 1 + self.prefetch]:
+                self._try_prefetch(nxt)
+
+    def end_backward(self) -> None:
+        if self._backward_seen:
+            self.backward_order = self._backward_seen
+        self._backward_seen = []
+
+    def keep_after_forward(self, unit: "Unit") -> bool:
+        """[Note: keep for backward]."""
+        if not self.keep_for_backward:
+            return False
+        if unit is self.root:
+            return True
+        last: Optional["Unit"] = next((u for u in reversed(self.forward_order) if u is not self.root), None)
+        return unit is last

@@ -1,0 +1,379 @@
+"""Lightning features under a strategy, one case after another in one process (one rank of a launch).
+
+    python compat.py --out DIR --strategy mics|ddp|single --cases manual1,manual2,...
+
+Each case builds its module with the same seed, trains with a real Trainer, and rank 0 saves what the test compares
+against the control run (DDP, or "single": one plain Lightning process on the union of the ranks' batches):
+``<case>.pt`` with the final parameters and the case's observations. ``mics``: MiCSStrategy(s=2), every
+parameter sharded (param_persistence_threshold=0).
+"""
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import BackboneFinetuning  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+from lightning_mics import MiCSStrategy  # noqa: E402
+
+V, D, H, C, T = 37, 24, 48, 32, 5  # vocab, width, hidden, classes, sequence: odd sizes, uneven shards
+BATCH = 4  # per rank
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, D)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    """An embedding and a head (the root unit's) around two blocks in a ModuleList (two units)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(D, C)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x.mean(1))
+
+
+def classification_data(n):
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randint(0, V, (n, T), generator=g), torch.randint(0, C, (n,), generator=g))
+
+
+class Base(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, idx):
+        return self.net(idx)
+
+    def loss(self, batch):
+        idx, y = batch
+        return F.cross_entropy(self(idx), y)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+# -- issue 15: manual optimization ---------------------------------------------------------------------------
+class ManualOne(Base):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        sch = self.lr_schedulers()
+        opt.zero_grad()
+        loss = self.loss(batch)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+        sch.step()
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+        return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)]
+
+
+class ManualAccum(Base):
+    """Accumulation by hand: two backward passes (no zero_grad between them) per optimizer step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        self.manual_backward(self.loss(batch) / 2)
+        if (batch_idx + 1) % 2 == 0:
+            self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            opt.step()
+            opt.zero_grad()
+
+
+class Tower(nn.Module):
+    """A root-owned input and output layer around two blocks (units)."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.inp = nn.Linear(d_in, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.out = nn.Linear(D, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+class GAN(L.LightningModule):
+    """Two optimizers, toggle_optimizer, and a second generator forward after the generator's step."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.G = Tower(8, 12)
+        self.D = Tower(12, 1)
+
+    def training_step(self, batch, batch_idx):
+        (real,) = batch
+        opt_g, opt_d = self.optimizers()
+        g = torch.Generator().manual_seed(1000 * self.global_rank + batch_idx)
+        z = torch.randn(real.size(0), 8, generator=g)
+        ones, zeros = torch.ones(real.size(0), 1), torch.zeros(real.size(0), 1)
+
+        self.toggle_optimizer(opt_g)
+        g_loss = F.binary_cross_entropy_with_logits(self.D(self.G(z)), ones)
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+
+        self.toggle_optimizer(opt_d)
+        fake = self.G(z).detach()  # with the generator's new weights
+        d_loss = (F.binary_cross_entropy_with_logits(self.D(real), ones)
+                  + F.binary_cross_entropy_with_logits(self.D(fake), zeros))
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.G.parameters(), lr=0.1, momentum=0.9),
+                torch.optim.SGD(self.D.parameters(), lr=0.1, momentum=0.9))
+
+
+def gan_data(n):
+    g = torch.Generator().manual_seed(11)
+    return TensorDataset(torch.randn(n, 12, generator=g) @ torch.randn(12, 12, generator=g))
+
+
+# -- issue 15: the module called outside a step, the summary -----------------------------------------------
+PROBE = torch.arange(2 * T).view(2, T) % V
+
+
+class CallsItself(Base):
+    """Calls itself at every epoch end from its own hook (grad enabled, as Lightning leaves it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_epoch_end(self):
+        out = self(PROBE)
+        self.seen.append(out.detach().clone())
+
+
+class SampleCallback(L.Callback):
+    """A sampling callback: the whole module and a root-owned submodule called directly, under no_grad."""
+
+    def __init__(self):
+        self.outputs, self.heads = [], []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        with torch.no_grad():
+            self.outputs.append(pl_module(PROBE).clone())
+            self.heads.append(pl_module.net.head(torch.ones(3, D)).clone())
+
+
+class Summary(L.Callback):
+    def on_fit_start(self, trainer, pl_module):
+        s = ModelSummary(pl_module, max_depth=2)
+        self.total, self.trainable = s.total_parameters, s.trainable_parameters
+        self.layers = dict(zip(s.layer_names, s.param_nums))
+
+
+# -- issue 25: the weights users get back ------------------------------------------------------------------------
+class BF16(Base):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
+
+
+class Shards(L.Callback):
+    """The masters as the strategy holds them at the end of training (DTensors: gathered in their own dtype)."""
+
+    def on_train_end(self, trainer, pl_module):
+        from torch.distributed.tensor import DTensor
+
+        self.full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                     for n, p in pl_module.named_parameters()}
+
+
+class Finetune(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.ModuleDict({"emb": nn.Embedding(V, D), "blocks": nn.ModuleList(Block() for _ in range(2))})
+        self.head = nn.Linear(D, C)
+
+    def forward(self, idx):
+        x = self.backbone["emb"](idx)
+        for b in self.backbone["blocks"]:
+            x = b(x)
+        return self.head(x.mean(1))
+
+    def training_step(self, batch, batch_idx):
+        idx, y = batch
+        return F.cross_entropy(self(idx), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.2, momentum=0.9)
+
+
+class Boom(Base):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("boom at step 2")
+        return self.loss(batch)
+
+
+# -- running ---------------------------------------------------------------------------------------------------
+def strategy_for(kind):
+    if kind == "mics":
+        return MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0)
+    if kind == "ddp":
+        return DDPStrategy(find_unused_parameters=True)
+    return "auto"
+
+
+def loader(ds, kind, world, rank, batch=BATCH):
+    if kind == "single":  # the union of the ranks' batches: DistributedSampler(shuffle=False) is strided
+        return DataLoader(ds, batch_size=batch * world)
+    return DataLoader(ds, batch_size=batch, sampler=DistributedSampler(ds, world, rank, shuffle=False))
+
+
+def trainer_for(kind, world, **kwargs):
+    base = dict(accelerator="cpu", devices=1 if kind == "single" else world, strategy=strategy_for(kind),
+                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                use_distributed_sampler=False, num_sanity_val_steps=0)
+    base.update(kwargs)
+    return L.Trainer(**base)
+
+
+def params(module):
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def run_case(case, kind, world, rank, out):
+    L.seed_everything(0, verbose=False)
+    result = {}
+    if case == "manual1":
+        m = ManualOne()
+        trainer_for(kind, world, max_epochs=2).fit(m, loader(classification_data(8 * world * BATCH), kind, world, rank))
+    elif case == "manual_accum":
+        m = ManualAccum()
+        trainer_for(kind, world, max_epochs=2).fit(m, loader(classification_data(8 * world * BATCH), kind, world, rank))
+    elif case == "manual2":
+        m = GAN()
+        trainer_for(kind, world, max_epochs=2).fit(m, loader(gan_data(4 * world * BATCH), kind, world, rank))
+    elif case == "calls_itself":
+        m = CallsItself()
+        cb = SampleCallback()
+        trainer_for(kind, world, max_epochs=3, callbacks=[cb]).fit(
+            m, loader(classification_data(3 * world * BATCH), kind, world, rank))
+        result.update(self_calls=torch.stack(m.seen), outputs=torch.stack(cb.outputs), heads=torch.stack(cb.heads))
+        result["after_fit"] = m(PROBE).detach()
+    elif case == "summary":
+        m = Base()
+        cb = Summary()
+        trainer_for(kind, world, max_steps=1, callbacks=[cb]).fit(
+            m, loader(classification_data(world * BATCH), kind, world, rank))
+        result.update(total=cb.total, trainable=cb.trainable, layers=cb.layers,
+                      plain=sum(p.numel() for p in Base().parameters()))
+    elif case == "bf16":
+        m = BF16()
+        shards = Shards()
+        trainer = trainer_for(kind, world, max_steps=4, precision="bf16-mixed", callbacks=[shards])
+        trainer.fit(m, loader(classification_data(4 * world * BATCH), kind, world, rank))
+        result.update(shards=shards.full, state_dict=trainer.strategy.lightning_module_state_dict())
+    elif case == "finetune":
+        m = Finetune()
+        cb = BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5, verbose=False)
+        trainer_for(kind, world, max_epochs=3, callbacks=[cb]).fit(
+            m, loader(classification_data(2 * world * BATCH), kind, world, rank))
+    elif case == "fail_refit":
+        m = Boom()
+        ds = classification_data(4 * world * BATCH)
+        try:
+            trainer_for(kind, world, max_steps=4).fit(m, loader(ds, kind, world, rank))
+            raise AssertionError("the first fit did not raise")
+        except RuntimeError as err:
+            assert "boom at step 2" in str(err), err
+        result["after_failure_plain"] = all(type(p) is nn.Parameter for p in m.parameters())
+        m.__class__ = Base  # the user fixes the bug and fits again, in the same process
+        trainer_for(kind, world, max_steps=4).fit(m, loader(ds, kind, world, rank))
+    elif case == "resume_bf16":
+        ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
+        m = BF16()
+        trainer_for(kind, world, max_epochs=2, precision="bf16-mixed").fit(m, loader(ds, kind, world, rank))
+        result["uninterrupted"] = params(m)
+        L.seed_everything(0, verbose=False)
+        m = BF16()
+        ckpt = Path(out) / f"resume_bf16_{kind}.ckpt"
+        trainer = trainer_for(kind, world, max_epochs=1, precision="bf16-mixed")
+        trainer.fit(m, loader(ds, kind, world, rank))
+        trainer.save_checkpoint(ckpt)
+        L.seed_everything(1, verbose=False)
+        m = BF16()  # other initial values: everything must come from the checkpoint
+        trainer_for(kind, world, max_epochs=2, precision="bf16-mixed").fit(m, loader(ds, kind, world, rank),
+                                                                         ckpt_path=str(ckpt))
+    else:
+        raise ValueError(case)
+    result["params"] = params(m)
+    result["param_types"] = sorted({type(p).__name__ for p in m.parameters()})
+    return result
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--strategy", required=True)
+    ap.add_argument("--cases", required=True)
+    args = ap.parse_args()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    world_data = int(os.environ.get("DATA_WORLD", world))  # "single" reads the batches of this many ranks
+    errors = {}
+    for case in args.cases.split(","):
+        try:
+            result = run_case(case, args.strategy, world_data, rank, args.out)
+            if rank == 0:
+                torch.save(result, Path(args.out) / f"{case}.pt")
+        except Exception:
+            errors[case] = traceback.format_exc()
+            print(errors[case], flush=True)
+    (Path(args.out) / f"result{rank}.json").write_text(json.dumps({"errors": errors}))
+
+
+if __name__ == "__main__":
+    main()
