@@ -7,6 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mics.checkpoint import consolidate
+from lightning_mics.checkpoint_files import CheckpointError
 from lightning_mics.config import MiCSConfig
 from lightning_mics.sharding import register_parameter
 from lightning_mics.strategy import MiCSStrategy
@@ -14,4 +15,4 @@ from lightning_mics.strategy import MiCSStrategy
 if "mics" not in StrategyRegistry:
     MiCSStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["MiCSConfig", "MiCSStrategy", "consolidate", "register_parameter"]
+__all__ = ["CheckpointError", "MiCSConfig", "MiCSStrategy", "consolidate", "register_parameter"]

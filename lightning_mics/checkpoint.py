@@ -1,21 +1,39 @@
-"""Full (consolidated) model and optimizer state for sharded training.
+"""Model and optimizer state for checkpoints: full (gathered) and sharded (torch.distributed.checkpoint).
 
-A full optimizer state has exactly the layout a plain, unsharded run of the same optimizer would have
-(state keyed by parameter index, tensors of the full parameter's shape), so a checkpoint can be resumed
-under any layout (s, r) or by a single process. Per-parameter state tensors of the shard's shape are
-gathered over the shard group and unpadded; scalars (``step``) are the same on every rank.
+*Full*: exactly the layout a plain, unsharded run of the same module and optimizer would have (optimizer state
+keyed by parameter index, tensors of the full parameter's shape), gathered from the fp32 masters unit by unit
+onto rank 0, so a checkpoint can be resumed under any layout (s, r), by a single process or another strategy.
+
+*Sharded*: the module's own state dict with the DTensor shards in it ([Note: placement] in placement.py) and
+each optimizer's state keyed by parameter name, written and read through DCP ([Note: checkpoint layout] in
+checkpoint_files.py). Nothing is gathered: every rank writes its rows, reads the rows its own layout needs
+([Note: resharding]), and ``consolidate`` turns a directory into the full form in one process.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import os
+import sys
+import uuid
+import warnings
 from collections import defaultdict
-from typing import Any, Dict, List, Optional
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from lightning_mics import checkpoint_files as files
+from lightning_mics.checkpoint_files import CheckpointError, set_element
 from lightning_mics.placement import is_sharded, local
 from lightning_mics.runtime import MiCSEngine, Scratch
 
@@ -84,6 +102,250 @@ def load_full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimiz
     optimizer.load_state_dict({"state": state, "param_groups": full["param_groups"]})
 
 
-def consolidate(path) -> Dict[str, Any]:
-    """Loads a checkpoint written by MiCSStrategy and returns a plain dict with a full ``state_dict``."""
-    return torch.load(path, map_location="cpu", weights_only=False)
+# -- sharded -------------------------------------------------------------------------------------------------------
+# [Note: resharding]
+# A saved chunk is a box of a global tensor (DCP's index records its offsets and sizes). On load every rank asks
+# for the boxes of its *own* layout: its module's DTensor shards ((Replicate, Shard(0)) rows on the new mesh, or
+# whole tensors where the new layout replicates them) and optimizer state of the same placement, allocated from
+# the index; DCP reads exactly the overlapping bytes of the saved chunks into them. So a checkpoint written at
+# (world, s) loads at any (world', s'), one process included, without a gather, and no rank holds more than its
+# own rows (plus replicated tensors) at any time.
+#
+# [Note: optimizer state by name]
+# On disk an optimizer's state is keyed by parameter name (the layout torch's get_optimizer_state_dict produces),
+# because indices mean nothing across models and names survive resharding. The re-keying is done here rather than
+# by torch's get/set_optimizer_state_dict: both first *initialize* an empty optimizer state by stepping once with
+# zero gradients, which on a save before the first step would create state a plain run does not have (Adam's step
+# counter), and on a load allocates a whole second copy of the state before loading over it. Loading instead
+# allocates the targets from DCP's index, in this rank's placement, and hands them to ``optimizer.load_state_dict``.
+
+
+def _named(module: nn.Module, engine: Optional[MiCSEngine] = None) -> List[tuple]:
+    """(name, parameter) for every name of every parameter, the optimizer's DTensor in place of the full twin the
+    module holds while a unit is gathered (a save from inside a step)."""
+    shard_of = {id(p.full): p.sharded for u in engine.units for p in (*u.params, *u.replicated)} if engine else {}
+    return [(n, shard_of.get(id(p), p)) for n, p in module.named_parameters(remove_duplicate=False)]
+
+
+def _names(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[int, str]:
+    """id(parameter) -> its name (the first one, for a parameter registered under several)."""
+    names: Dict[int, str] = {}
+    for n, p in _named(module, engine):
+        names.setdefault(id(p), n)
+    return names
+
+
+def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[str, Any]:
+    """The module's state dict for a sharded save: the DTensor shards themselves (no copy). A unit that happens to
+    be gathered (a save from inside a step) contributes its fp32 master shards, never the gathered param_dtype
+    tensors the module holds at that moment."""
+    sd = get_model_state_dict(module)
+    if engine is not None:
+        shard_of = {id(p.full): p.sharded for u in engine.units for p in (*u.params, *u.replicated)}
+        for name, t in module.state_dict(keep_vars=True).items():
+            if id(t) in shard_of:
+                sd[name] = shard_of[id(t)].detach()
+    return sd
+
+
+def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer,
+                            engine: Optional[MiCSEngine] = None) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` with parameter names in place of indices ([Note: optimizer state by name]).
+    The tensors are the optimizer's own (DTensor shards while the module is sharded): nothing is copied."""
+    names = _names(module, engine)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    strangers = [tuple(p.shape) for p in params if id(p) not in names]
+    if strangers:
+        raise ValueError(f"MiCSStrategy: an optimizer holds parameters that are not the module's (shapes "
+                         f"{strangers[:4]}); a checkpoint keys optimizer state by the module's parameter names.")
+    sd = optimizer.state_dict()
+    keys = [names[id(p)] for p in params]
+    return {"state": {keys[k]: v for k, v in sd["state"].items()},
+            "param_groups": [dict(g, params=[keys[i] for i in g["params"]]) for g in sd["param_groups"]]}
+
+
+def _saved(index: Metadata, key: str):
+    """(path below ``key``, index entry) for every leaf DCP saved under the top-level ``key``."""
+    for flat, md in index.state_dict_metadata.items():
+        where = index.planner_data.get(flat)
+        if where and where[0] == key:
+            yield tuple(where[1:]), md
+
+
+def _optimizer_target(module: nn.Module, index: Metadata, key: str, path: Path,
+                      engine: Optional[MiCSEngine] = None) -> Dict[str, Any]:
+    """Empty tensors in this rank's layout for every optimizer-state entry saved under ``key`` (a tensor of its
+    parameter's shape takes the parameter's placement; others, e.g. ``step``, are read whole); placeholders for
+    non-tensor values, which DCP replaces."""
+    params = dict(_named(module, engine))
+    target: Dict[str, Any] = {}
+    for where, md in _saved(index, key):
+        value = None
+        if isinstance(md, TensorStorageMetadata):
+            if where[0] != "state" or len(where) != 3:
+                raise CheckpointError(f"{path}: unexpected tensor {'.'.join(map(str, (key, *where)))} in the "
+                                      "optimizer state.")
+            p = params.get(where[1])
+            if p is None:
+                raise CheckpointError(f"{path}: holds optimizer state for parameter {where[1]!r}, which the module "
+                                      "does not have.")
+            dtype = md.properties.dtype
+            if tuple(md.size) == tuple(p.shape):
+                value = torch.empty_like(p.detach(), dtype=dtype)  # a DTensor of p's placement, or a plain tensor
+            else:
+                value = torch.empty(tuple(md.size), dtype=dtype)
+        set_element(target, where, value)
+    target.setdefault("state", {})
+    return target
+
+
+def load_sharded(path: Path, index: Metadata, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                 strict: bool, weights_only: Optional[bool], engine: Optional[MiCSEngine] = None) -> Dict[str, Any]:
+    """Reads this rank's part of a sharded checkpoint ([Note: resharding]). The module's own shards are read in
+    place; optimizer state into new tensors, returned by name for ``load_optimizer_by_name``. Key mismatches are
+    raised before DCP's collectives (every rank sees the same index). Collective over the world."""
+    saved = {where[0] for where, _ in _saved(index, "state_dict")}
+    target = model_state(module, engine)
+    missing = [k for k in target if k not in saved]
+    unexpected = sorted(saved - set(target))
+    if strict and (missing or unexpected):
+        some = lambda keys: f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"  # noqa: E731
+        raise CheckpointError(f"{path}: does not match the module: missing {some(missing)}, unexpected "
+                              f"{some(unexpected)} (LightningModule.strict_loading = False loads the common keys).")
+    state: Dict[str, Any] = {"state_dict": {k: v for k, v in target.items() if k in saved}}
+    for i in range(len(optimizers)):
+        state[f"optimizer_{i}"] = _optimizer_target(module, index, f"optimizer_{i}", path, engine)
+    dcp.load(state, storage_reader=files.SafeReader(path),
+             planner=files.LoadPlanner(weights_only=weights_only is not False))
+    return state
+
+
+@torch.no_grad()
+def load_optimizer_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, state: Dict[str, Any],
+                           path: Any = "checkpoint", engine: Optional[MiCSEngine] = None) -> None:
+    """Loads a by-name optimizer state (tensors already in this rank's placement) into ``optimizer``."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    position = {id(p): k for k, p in enumerate(params)}
+    index_of = {n: position[id(p)] for n, p in _named(module, engine) if id(p) in position}
+    saved_groups = state.get("param_groups", [])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise CheckpointError(f"{path}: the optimizer was saved with {len(saved_groups)} parameter groups; this one "
+                              f"has {len(optimizer.param_groups)}.")
+    groups, start = [], 0
+    for k, (now, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        ids = list(range(start, start + len(now["params"])))
+        if sorted(index_of.get(n, -1) for n in saved["params"]) != ids:
+            raise CheckpointError(f"{path}: parameter group {k} was saved with parameters {list(saved['params'])[:6]}"
+                                  "..., which are not the ones of this optimizer's group.")
+        groups.append({**{h: v for h, v in saved.items() if h != "params"}, "params": ids})
+        start += len(ids)
+    by_index = {}
+    for name, st in state.get("state", {}).items():
+        if name not in index_of:
+            raise CheckpointError(f"{path}: holds optimizer state for {name!r}, which this optimizer does not hold.")
+        by_index[index_of[name]] = st
+    optimizer.load_state_dict({"state": by_index, "param_groups": groups})
+
+
+def save_sharded(checkpoint: Dict[str, Any], path: Path, token: str, *, coordinator: bool,
+                 layout: Dict[str, Any]) -> None:
+    """Writes ``checkpoint`` (Lightning's dict; its ``state_dict`` and ``optimizer_states`` by name, in shards) as
+    a sharded checkpoint at ``path`` ([Note: checkpoint layout], [Note: crash-safe save]). Collective over the
+    world; ``coordinator`` (global rank 0) writes Lightning's metadata and publishes."""
+    tmp = files.temporary(path, token)
+    if coordinator:
+        files.prepare(path, token)
+    state: Dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    for i, osd in enumerate(optimizer_states or []):
+        state[f"optimizer_{i}"] = osd
+    meta = dict(checkpoint)
+    meta[files.MARKER] = files.marker("sharded", optimizers=None if optimizer_states is None else len(optimizer_states),
+                                      **layout)
+    tmp.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
+             planner=DefaultSavePlanner())
+    if coordinator:  # DCP has returned: every rank's shards are synced and .metadata is written
+        part = tmp / (files.META_FILE + ".part")
+        torch.save(meta, part)
+        files.fsync_path(part)
+        os.replace(part, tmp / files.META_FILE)
+        files.publish(tmp, path, token)
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+# -- consolidate ---------------------------------------------------------------------------------------------------
+def _by_index(state: Dict[str, Any]) -> Dict[str, Any]:
+    """A by-name optimizer state as ``optimizer.state_dict()`` of a plain run (state keyed by position)."""
+    groups, index, start = [], {}, 0
+    for g in state.get("param_groups", []):
+        names = list(g["params"])
+        index.update({n: start + k for k, n in enumerate(names)})
+        groups.append({**g, "params": list(range(start, start + len(names)))})
+        start += len(names)
+    by_index = {index[n]: st for n, st in state.get("state", {}).items()}
+    return {"state": dict(sorted(by_index.items())), "param_groups": groups}
+
+
+def consolidate(path: Any) -> Dict[str, Any]:
+    """A checkpoint written by MiCSStrategy as one plain dict: Lightning's usual full checkpoint, with a full
+    ``state_dict`` (the module's own keys) and each optimizer's state as a plain run's ``state_dict()``.
+
+    A sharded directory is read in this process, without a process group; a full file is returned as read. Both
+    are read with ``weights_only=True`` (a checkpoint is untrusted input) and DCP's index with an allow-list
+    unpickler. The result loads with ``torch.load(..., weights_only=True)`` once saved, into the plain module
+    with ``strict=True``, and resumes under any strategy (``fit(ckpt_path=...)``). Raises ``CheckpointError``
+    (a ``RuntimeError``) naming the path if the checkpoint is truncated, foreign or of another version.
+    """
+    path = files.resolve(Path(path))
+    if path.is_file():
+        return files.load_full(path, weights_only=True)
+    meta, index = files.check_sharded(path, weights_only=True)
+    state = files.empty_state(index)
+    try:
+        with warnings.catch_warnings():  # DCP warns that it loads in one process: that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=files.SafeReader(path), planner=files.LoadPlanner(weights_only=True),
+                     no_dist=True)
+    except Exception as err:
+        raise CheckpointError(f"{path}: cannot be read: {type(err).__name__}: {err}") from err
+    out = dict(meta)
+    info = out.pop(files.MARKER)
+    out["state_dict"] = state.get("state_dict", {})
+    if info.get("optimizers") is not None:
+        out["optimizer_states"] = [_by_index(state.get(f"optimizer_{i}", {})) for i in range(info["optimizers"])]
+    out[files.MARKER] = files.marker("full", consolidated_from={k: v for k, v in info.items() if k != "version"})
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``lightning-mics-consolidate DIR OUT.pt``: a sharded checkpoint as one full checkpoint file."""
+    ap = argparse.ArgumentParser(prog="lightning-mics-consolidate",
+                                 description="Turn a sharded MiCSStrategy checkpoint (a directory) into one full "
+                                             "checkpoint file, without a process group.")
+    ap.add_argument("checkpoint", help="the sharded checkpoint directory (a full checkpoint file is copied as is)")
+    ap.add_argument("output", help="the full checkpoint file to write")
+    args = ap.parse_args(argv)
+    try:
+        full = consolidate(args.checkpoint)
+    except CheckpointError as err:
+        print(f"lightning-mics-consolidate: {err}", file=sys.stderr)
+        return 2
+    out, token = Path(args.output), new_token()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = files.temporary(out, token)
+    torch.save(full, tmp)
+    files.fsync_path(tmp)
+    files.publish(tmp, out, token)
+    sd = full["state_dict"]
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values() if isinstance(t, Tensor))
+    print(f"{out}: {len(sd)} tensors in the state dict ({nbytes / 2**20:.2f} MiB), "
+          f"{len(full.get('optimizer_states', []))} optimizer state(s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,7 +21,7 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "16": torch.float16,
 }
 _KERNELS = ("auto", "triton", "torch")
-_STATE_DICT_TYPES = ("full",)  # "sharded" (torch.distributed.checkpoint) is not implemented yet
+_STATE_DICT_TYPES = ("sharded", "full")
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -71,7 +71,7 @@ class MiCSConfig:
     param_dtype: Optional[str] = None
     reduce_dtype: Optional[str] = None
     kernels: str = "auto"
-    state_dict_type: str = "full"
+    state_dict_type: str = "sharded"  # checkpoints: a DCP directory of shards, or "full": one file by rank 0
     timeout: float = 1800.0
 
     def __post_init__(self) -> None:
@@ -106,8 +106,8 @@ class MiCSConfig:
             _fail("kernels", self.kernels, " | ".join(repr(k) for k in _KERNELS))
         if self.state_dict_type not in _STATE_DICT_TYPES:
             _fail("state_dict_type", self.state_dict_type,
-                  "'full' (consolidated on rank 0, resumable under any layout); 'sharded' checkpoints through "
-                  "torch.distributed.checkpoint are not implemented yet")
+                  "'sharded' (a directory: every rank writes its shards through torch.distributed.checkpoint) or "
+                  "'full' (one file, gathered on rank 0); both load under any layout")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             _fail("timeout", self.timeout, "a positive number of seconds")
 

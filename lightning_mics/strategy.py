@@ -23,6 +23,7 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
@@ -46,10 +47,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_mics import checkpoint as ckpt
+from lightning_mics import checkpoint_files as files
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSConfig, parse_dtype
 from lightning_mics.precision import default_dtypes, to_mics_precision
@@ -59,6 +63,12 @@ from lightning_mics.topology import Topology, build_topology, plan_layout
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 # The engine that shards a module, kept beside it (never inside: the module stays picklable).
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDictionary()
+
+
+def _format(checkpoint: Mapping[str, Any]) -> Optional[str]:
+    """"full" | "sharded" for a checkpoint dict written by this strategy; None for another strategy's."""
+    info = checkpoint.get(files.MARKER)
+    return info.get("format") if isinstance(info, Mapping) else None
 
 
 class _MiCSModule(nn.Module):
@@ -97,7 +107,7 @@ class MiCSStrategy(ParallelStrategy):
         param_dtype: Optional[Any] = None,
         reduce_dtype: Optional[Any] = None,
         kernels: str = "auto",
-        state_dict_type: str = "full",
+        state_dict_type: str = "sharded",
         timeout: float = 1800.0,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
@@ -130,6 +140,7 @@ class MiCSStrategy(ParallelStrategy):
         self._shard_size: Optional[int] = None
         self._step_hooks: List[Any] = []
         self._failed = False
+        self._loaded_from = "checkpoint"
         self.comm_stats: Dict[str, float] = {}
 
     # -- layout -------------------------------------------------------------------------------------
@@ -234,6 +245,7 @@ class MiCSStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._route_checkpoint_state(trainer)
 
     def _engine_options(self) -> Dict[str, Any]:
         param_default, reduce_default = default_dtypes(self.precision_plugin.precision)
@@ -342,8 +354,31 @@ class MiCSStrategy(ParallelStrategy):
         return tensor
 
     # -- state --------------------------------------------------------------------------------------
+    # [Note: checkpoint state]
+    # ``lightning_module_state_dict()`` is the full state dict on rank 0 whatever ``state_dict_type`` is (DESIGN's
+    # public contract). A checkpoint takes its model state from ``_checkpoint_model_state`` instead: ``setup``
+    # points Lightning's checkpoint connector at it, so with "sharded" a save gathers nothing (the DTensor shards
+    # themselves go to DCP) and with "full" it is ``lightning_module_state_dict()``. ``optimizer_state()`` follows
+    # ``state_dict_type``, as in Lightning's ModelParallelStrategy: by parameter name with the shards, or full.
+    # Loading reads either format whatever ``state_dict_type`` is; see checkpoint.py and checkpoint_files.py.
     def _sharded(self) -> bool:
         return self._engine is not None and _ENGINES.get(self.lightning_module) is self._engine
+
+    def _saves_sharded(self) -> bool:
+        return self.config.state_dict_type == "sharded"
+
+    def _live_engine(self) -> Optional[MiCSEngine]:
+        return self._engine if self._sharded() else None
+
+    def _route_checkpoint_state(self, trainer: "pl.Trainer") -> None:
+        connector = getattr(trainer, "_checkpoint_connector", None)
+        if connector is not None and hasattr(connector, "_get_lightning_module_state_dict"):
+            connector._get_lightning_module_state_dict = self._checkpoint_model_state
+
+    def _checkpoint_model_state(self) -> Dict[str, Any]:
+        if self._saves_sharded():
+            return ckpt.model_state(self.lightning_module, self._live_engine())
+        return self.lightning_module_state_dict()
 
     @override
     def lightning_module_state_dict(self) -> Dict[str, Any]:
@@ -355,6 +390,10 @@ class MiCSStrategy(ParallelStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if _format(checkpoint) == "sharded":  # read in place by load_checkpoint; this applies on_load_checkpoint edits
+            set_model_state_dict(self.lightning_module, checkpoint["state_dict"],
+                                 options=StateDictOptions(strict=strict))
+            return
         if not self._sharded():
             return super().load_model_state_dict(checkpoint, strict)
         self.engine.load_full_state_dict(checkpoint["state_dict"], strict=strict)
@@ -363,6 +402,8 @@ class MiCSStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
+        if self._saves_sharded():
+            return ckpt.optimizer_state_by_name(self.lightning_module, optimizer, self._live_engine())
         if self._engine is None or not any(id(p) in {id(q) for q in self._engine.sharded_params()}
                                            for g in optimizer.param_groups for p in g["params"]):
             return super().optimizer_state(optimizer)  # after fit the optimizer is plain again
@@ -370,15 +411,126 @@ class MiCSStrategy(ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        if _format(checkpoint) == "sharded":
+            for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+                ckpt.load_optimizer_by_name(self.lightning_module, optimizer, state, self._loaded_from,
+                                            self._live_engine())
+            return
         if not self._sharded():
             return super().load_optimizer_state_dict(checkpoint)
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            ckpt.load_full_optimizer_state(self.engine, getattr(optimizer, "_optimizer", optimizer), state)
+        for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
+            ckpt.load_full_optimizer_state(self.engine, optimizer, state)
 
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # states are loaded into the shards, which exist only after setup
+
+    @override
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """"sharded": every rank writes its shards into a directory through DCP; "full": rank 0 writes one file.
+        Either is written under a temporary name and published by one rename ([Note: crash-safe save] in
+        checkpoint_files.py)."""
+        path_str, token = self.broadcast((str(filepath), ckpt.new_token()))
+        local = "://" not in path_str
+        if self._saves_sharded():
+            if not local or storage_options is not None:
+                raise ValueError(f"MiCSStrategy(state_dict_type='sharded') writes a directory on a local or shared "
+                                 f"filesystem through torch.distributed.checkpoint, without storage_options; got "
+                                 f"{path_str!r}, storage_options={storage_options!r}. Use state_dict_type='full' for "
+                                 "a CheckpointIO plugin.")
+            checkpoint["state_dict"] = self._as_sharded_state(checkpoint.get("state_dict"))
+            layout = {"world_size": self.world_size, "shard_size": self._shard_size}
+            ckpt.save_sharded(checkpoint, Path(path_str), token, coordinator=self.is_global_zero, layout=layout)
+            return
+        checkpoint[files.MARKER] = files.marker("full")
+        if not self.is_global_zero:
+            return
+        if not local:
+            self.checkpoint_io.save_checkpoint(checkpoint, path_str, storage_options=storage_options)
+            return
+        path = Path(path_str)
+        files.prepare(path, token)
+        tmp = files.temporary(path, token)
+        self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
+        files.publish(tmp, path, token)
+
+    def _as_sharded_state(self, state_dict: Any) -> Dict[str, Any]:
+        """The state dict Lightning's dump handed over if it is the sharded one (keys and DTensor-ness match the
+        module on every rank, so every rank decides alike); otherwise (a dump that did not go through
+        ``_checkpoint_model_state``) the module's shards, read afresh."""
+        own = ckpt.model_state(self.lightning_module, self._live_engine())
+        if isinstance(state_dict, Mapping) and state_dict.keys() == own.keys() and all(
+                isinstance(state_dict[k], DTensor) == isinstance(v, DTensor) for k, v in own.items()):
+            return dict(state_dict)
+        return own
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """A sharded directory (read into this rank's shards from any saved layout: [Note: resharding] in
+        checkpoint.py) or a full file. Every rank checks the files first, and all agree on the verdict before any
+        collective touches the checkpoint ([Note: checks before collectives] in checkpoint_files.py)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        error, full, meta, index = None, None, None, None
+        try:
+            path = files.resolve(path)
+            if path.is_dir():
+                meta, index = files.check_sharded(path, weights_only)
+                error = self._check_optimizer_count(path, meta)
+            else:
+                io = self.checkpoint_io
+                full = files.load_full(path, weights_only,
+                                       loader=lambda p: io.load_checkpoint(p, weights_only=weights_only))
+        except files.CheckpointError as err:
+            error = str(err)
+        self._agree(error)
+        self._loaded_from = str(path)
+        if full is not None:
+            return full
+        assert meta is not None and index is not None
+        optimizers = self._optimizers_to_restore(meta)
+        module = self.lightning_module
+        state = ckpt.load_sharded(path, index, module, optimizers, strict=module.strict_loading,
+                                  weights_only=weights_only, engine=self._live_engine())
+        meta["state_dict"] = state["state_dict"]
+        if meta[files.MARKER].get("optimizers") is not None:
+            meta["optimizer_states"] = [state[f"optimizer_{i}"] for i in range(len(optimizers))]
+        return meta
+
+    def _optimizers_to_restore(self, meta: Mapping[str, Any]) -> List[torch.optim.Optimizer]:
+        trainer = self.lightning_module._trainer
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if not fitting or meta[files.MARKER].get("optimizers") is None:
+            return []
+        return [getattr(o, "_optimizer", o) for o in self.optimizers]
+
+    def _check_optimizer_count(self, path: Path, meta: Mapping[str, Any]) -> Optional[str]:
+        saved = meta[files.MARKER].get("optimizers")
+        wanted = len(self._optimizers_to_restore(meta))
+        if saved is not None and wanted and wanted != saved:
+            return f"{path}: holds the state of {saved} optimizer(s); configure_optimizers returned {wanted}."
+        return None
+
+    def _agree(self, error: Optional[str]) -> None:
+        """Every rank raises the same CheckpointError if any rank found one ([Note: checks before collectives])."""
+        if _distributed_is_initialized() and dist.get_world_size() > 1:
+            errors: List[Optional[str]] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            failed = [r for r, e in enumerate(errors) if e]
+            if failed:
+                error = errors[failed[0]] + ("" if len(failed) == len(errors) else f" (found on rank(s) {failed})")
+        if error:
+            raise files.CheckpointError(error)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Rank 0 removes a checkpoint file or directory (and the temporaries of dead saves to it)."""
+        if not self.is_global_zero:
+            return
+        if "://" in str(filepath):
+            return super().remove_checkpoint(filepath)
+        files.remove(Path(filepath))
 
     # -- end ----------------------------------------------------------------------------------------
     def _fits_whole(self) -> bool:

@@ -119,7 +119,7 @@ def test_two_step_run_writes_its_report(installed: Installed) -> None:
     cwd = installed.user_dir("run")
     proc = _sh([installed.script, *TINY_2_STEPS], cwd=cwd, env=installed.env)
     (run_dir,) = cwd.glob("outputs/*/*")
-    for name in ("report.json", "report.md", "loss.png", "csv/metrics.csv", "checkpoints/last.ckpt"):
+    for name in ("report.json", "report.md", "loss.png", "csv/metrics.csv", "checkpoints/last.ckpt/meta.pt"):
         assert (run_dir / name).is_file(), f"{name} missing\n{(proc.stdout + proc.stderr)[-4000:]}"
     report = json.loads((run_dir / "report.json").read_text())
     assert report["strategy"] == "MiCSStrategy" and report["steps"] == 2 and report["world_size"] == 2

@@ -1,6 +1,6 @@
-"""Checkpoint, resume and reshard: phase A trains 2 steps (one epoch) under s=A and saves; phase B resumes under s=B to
-step 4. Rank 0 compares with an uninterrupted 4-step single-process reference (SGD with momentum, so the
-optimizer state must survive the round trip)."""
+"""Checkpoint, resume and reshard: phase A trains 2 steps (one epoch) under s=A and saves (full and sharded); phase B
+resumes each under s=B to step 4. Rank 0 compares with an uninterrupted 4-step single-process reference (SGD with
+momentum, so the optimizer state must survive the round trip)."""
 
 import argparse
 import json
@@ -32,19 +32,27 @@ def main():
     x, y = data(world, 2, 2, 1)  # 2 batches per epoch: the checkpoint falls on an epoch boundary
     ds = TensorDataset(x, y)
     dl = DataLoader(ds, batch_size=2, sampler=DistributedSampler(ds, world, rank, shuffle=False))
-    ckpt = Path(args.out) / "mid.ckpt"
+    result = {}
+    for kind in ("full", "sharded"):  # the same run saved both ways, each resumed under s=B
+        result[kind] = run(args, world, rank, x, y, dl, kind)
+    (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+
+
+def run(args, world, rank, x, y, dl, kind):
+    ckpt = Path(args.out) / f"mid_{kind}.ckpt"
     epochs = 1 if args.phase == "a" else 2  # phase "c": 2 epochs uninterrupted (a control)
     # Saved during training, at the end of epoch 0, as users do with ModelCheckpoint.
-    saver = ModelCheckpoint(dirpath=args.out, filename="mid", save_on_train_epoch_end=True)
+    saver = ModelCheckpoint(dirpath=args.out, filename=f"mid_{kind}", save_on_train_epoch_end=True)
     trainer = L.Trainer(accelerator="cpu", devices=world, max_epochs=epochs, use_distributed_sampler=False,
-                        strategy=MiCSStrategy(sharded_data_parallel_degree=args.s, param_persistence_threshold=100),
+                        strategy=MiCSStrategy(sharded_data_parallel_degree=args.s, param_persistence_threshold=100,
+                                              state_dict_type=kind),
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[saver] if args.phase == "a" else [], enable_checkpointing=args.phase == "a")
     torch.manual_seed(0)
     module = Module("gpt", "sgd")
     trainer.fit(module, dl, ckpt_path=str(ckpt) if args.phase == "b" else None)
     if args.phase == "a":
-        return
+        return {}
     result = {"step": trainer.global_step}
     if rank == 0:
         class A:
@@ -53,12 +61,12 @@ def main():
         got = module.model.state_dict()
         result["max_abs"] = max((got[k] - ref[k]).abs().max().item() for k in ref)
         if args.phase == "c":
-            (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
-            return
+            return result
         plain = lightning_mics.consolidate(ckpt)
         result["ckpt_keys_ok"] = sorted(plain["state_dict"]) == sorted(module.state_dict())
-        result["ckpt_opt_momentum"] = all("momentum_buffer" in st for st in plain["optimizer_states"][0]["state"].values())
-    (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+        states = plain["optimizer_states"][0]["state"].values()
+        result["ckpt_opt_momentum"] = all("momentum_buffer" in st for st in states)
+    return result
 
 
 if __name__ == "__main__":
