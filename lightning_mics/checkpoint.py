@@ -51,6 +51,7 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
     Sharded state (DTensors with a Shard placement) is gathered unit by unit and key by key, so no rank holds
     more than one unit's worth of one state key beyond its shards; returns {} on ranks other than ``dst``.
     """
+    engine.quiesce()
     rank = dist.get_rank()
     keep = dst is None or rank == dst
     takes_part = dst is None or rank in engine.topo.layout.shard_group_of(dst)

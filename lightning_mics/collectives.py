@@ -10,12 +10,24 @@ zero-padded. Rank j keeps chunk j of every parameter of a unit, concatenated: it
 The all-gather output is then (s, S) with row j = rank j's flat shard, which is exactly
 ``triton_kernels.chunk_cat(full_params, s)``: ``chunk_split`` turns it back into full parameters, and the
 reduce-scatter input for gradients is ``chunk_cat(full_grads, s)``, whose row j reduces onto rank j.
+
+[Note: two-hop all-gather]
+When a shard group of s ranks spans n nodes of p ranks (s = n p; shard-group rank j = a p + l for node a and
+local rank l), MiCS gathers in two hops. Inter first: (1) all-gather among the n ranks with the same local
+rank l, one per node (x[a, l] for every a), (2) all-gather of that n-row block inside the node. Each rank then
+receives only S elements per other node across the slow link, where the flat gather brings it (s - p) S:
+for n = 2 exactly half. The result arrives as (p, n, S), row (l, a); one copy puts it in rank-major (n, p, S)
+order, bit-identical to the flat gather. The other order (intra first, then inter) lands directly in
+rank-major order with no copy, but then every rank carries p S per other node across nodes, more than the
+flat gather. Measured in benchmarks/schedule.py (RESULTS.md); inter first is the default (``HOP_ORDER``)
+because the cross-node bytes are what the two hops exist to save; on one host (loopback, no slow link) the
+copy makes it a little slower than intra first.
 """
 
 from __future__ import annotations
 
 import time
-from typing import List, NamedTuple, Optional, Sequence
+from typing import Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,8 +38,18 @@ from lightning_mics.telemetry import CommLog
 
 
 class AllGatherResult(NamedTuple):
-    output: Tensor  # (s, S)
+    output: Optional[Tensor]  # (s, S) rank-major; None until ``finish`` has run (two hops)
     work: Optional[dist.Work]
+    finish: Optional[Callable[[], Tensor]] = None  # the remaining hop, run after ``work`` completes
+
+
+class NodeGroups(NamedTuple):
+    """A shard group that spans whole nodes: n nodes of p ranks ([Note: two-hop all-gather])."""
+
+    inter: dist.ProcessGroup  # the n ranks with this rank's local rank, one per node
+    intra: dist.ProcessGroup  # the p ranks of this node
+    nodes: int  # n
+    per_node: int  # p
 
 
 class ReduceScatterResult(NamedTuple):
@@ -58,6 +80,49 @@ def all_gather_flat(
     work = dist.all_gather_single(out, send, group=group, async_op=async_op)
     _record(log, "all_gather", group_name, out.numel() * out.element_size())
     return AllGatherResult(out.view(group_size, -1), work if async_op else None)
+
+
+HOP_ORDER = "inter_first"  # [Note: two-hop all-gather]
+
+
+def all_gather_two_hop(
+    shard: Tensor,
+    nodes: NodeGroups,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    async_op: bool = False,
+    log: Optional[CommLog] = None,
+    kernels: str = "auto",
+    order: str = HOP_ORDER,
+) -> AllGatherResult:
+    """The flat all-gather's result in two hops ([Note: two-hop all-gather]). The first hop is issued here
+    (async if asked); ``finish()`` runs the second and returns the rank-major ``(s, S)`` buffer."""
+    dtype = dtype or shard.dtype
+    send = shard if shard.dtype == dtype else triton_kernels.flatten([shard], dtype=dtype, backend=kernels)
+    n, p, size = nodes.nodes, nodes.per_node, send.numel()
+    first, second = (nodes.inter, nodes.intra) if order == "inter_first" else (nodes.intra, nodes.inter)
+    k1, k2 = (n, p) if order == "inter_first" else (p, n)
+    hop1 = torch.empty(k1 * size, dtype=dtype, device=send.device)
+    work = dist.all_gather_single(hop1, send, group=first, async_op=async_op)
+    _record(log, "all_gather", "inter" if order == "inter_first" else "intra", hop1.numel() * hop1.element_size())
+
+    def finish() -> Tensor:
+        hop2 = torch.empty(k2 * hop1.numel(), dtype=dtype, device=send.device)
+        dist.all_gather_single(hop2, hop1, group=second)
+        _record(log, "all_gather", "intra" if order == "inter_first" else "inter", hop2.numel() * hop2.element_size())
+        if order == "inter_first":  # (p, n, S) row (l, a) -> rank-major (n, p, S)
+            return hop2.view(p, n, size).transpose(0, 1).contiguous().view(n * p, size)
+        return hop2.view(n * p, size)
+
+    if not async_op:
+        return AllGatherResult(finish(), None)
+    return AllGatherResult(None, work, finish)
+
+
+def gathered(res: AllGatherResult, log: Optional[CommLog] = None) -> Tensor:
+    """Waits for an all-gather (flat or two-hop) and returns its rank-major ``(s, S)`` output."""
+    wait(res.work, log)
+    return res.finish() if res.finish is not None else res.output
 
 
 def reduce_scatter_grads(

@@ -58,7 +58,7 @@ class MiCSConfig:
     """Options of :class:`lightning_mics.MiCSStrategy` (named after SageMaker's ``sdp_*`` knobs)."""
 
     sharded_data_parallel_degree: Optional[int] = None  # s; None: ranks per node
-    hierarchical_allgather: bool = True
+    hierarchical_allgather: Optional[bool] = None  # None: two hops whenever a shard group spans whole nodes
     ranks_per_node: Optional[int] = None  # None: from the cluster environment
     reduce_bucket_size: int = 500_000_000
     param_persistence_threshold: int = 1_000_000
@@ -86,9 +86,11 @@ class MiCSConfig:
         self.max_live_parameters = _int_like("max_live_parameters", self.max_live_parameters, 1)
         self.prefetch = _int_like("prefetch", self.prefetch, 0)
         self.checkpoint_group_size = _int_like("checkpoint_group_size", self.checkpoint_group_size, 1)
-        for name in ("hierarchical_allgather", "activation_offload"):
-            if not isinstance(getattr(self, name), bool):
-                _fail(name, getattr(self, name), "True or False")
+        if self.hierarchical_allgather is not None and not isinstance(self.hierarchical_allgather, bool):
+            _fail("hierarchical_allgather", self.hierarchical_allgather,
+                  "None (two hops when a sharding group spans whole nodes), True or False")
+        if not isinstance(self.activation_offload, bool):
+            _fail("activation_offload", self.activation_offload, "True or False")
         for name in ("shard_units", "activation_checkpointing"):
             value = getattr(self, name)
             if isinstance(value, str):

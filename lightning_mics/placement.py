@@ -112,6 +112,7 @@ class ShardedParam:
         self.local = region[: rows.local_rows]
         self.sharded = nn.Parameter(as_dtensor(self.local, self.spec), requires_grad=orig.requires_grad)
         self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer)
+        self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
 
     @property
     def requires_grad(self) -> bool:
@@ -138,8 +139,11 @@ class ReplicatedParam:
         self.index, self.refs = index, refs
         self.fqn = refs[0].fqn
         self.shape = orig.shape
+        self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
         data = orig.detach()
-        if data.device != device:
+        if data.is_meta:
+            data = torch.empty(orig.shape, dtype=orig.dtype, device=device)
+        elif data.device != device:
             data = data.to(device)
         self.spec = make_spec(mesh, False, orig.shape, data.dtype)
         self.local = data

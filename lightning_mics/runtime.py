@@ -50,7 +50,10 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_mics import collectives as C
+from lightning_mics.activations import ActivationCheckpointing, plan_groups
+from lightning_mics.materialize import has_meta, materialize
 from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
+from lightning_mics.replicated import ReplicatedReducer
 from lightning_mics.schedule import Schedule
 from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.telemetry import CommLog
@@ -93,13 +96,14 @@ class Unit:
 
     def __init__(self, plan: UnitPlan, topo: Topology, *, param_dtype: Optional[torch.dtype],
                  reduce_dtype: torch.dtype, bucket_size: int, kernels: str, log: CommLog,
-                 device: torch.device) -> None:
+                 device: torch.device, nodes: Optional[C.NodeGroups] = None) -> None:
         self.path = plan.path or "<root>"
         self.module = plan.module
         self.topo, self.kernels, self.log = topo, kernels, log
         self.s = topo.layout.shard_size
         self.world_size = topo.layout.world_size
         self.bucket_size = bucket_size
+        self.nodes = nodes  # two-hop all-gather groups, or None: flat
         dtypes = {pp.param.dtype for pp in plan.params}
         if len(dtypes) > 1:
             raise ValueError(f"unit {self.path!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
@@ -119,7 +123,8 @@ class Unit:
         self.params: List[ShardedParam] = []
         for i, (pp, r) in enumerate(zip(plan.params, rows)):
             sp = ShardedParam(i, pp.refs, pp.param, topo.mesh, r, self.shard_flat, offsets[i])
-            sp.copy_rows_from_full(pp.param.detach())
+            if not sp.meta:
+                sp.copy_rows_from_full(pp.param.detach())
             self.params.append(sp)
 
         # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
@@ -151,7 +156,8 @@ class Unit:
         self.got_grad = torch.zeros(len(self.params), dtype=torch.bool)
         self._gather: Optional[C.AllGatherResult] = None
         self._buckets: Dict[Tuple[int, ...], List[_Bucket]] = {}
-        self.on_accumulated: Optional[Any] = None  # the engine's post-accumulate-grad hook for the full params
+        self.on_accumulated: Optional[Any] = None  # the engine's post-accumulate-grad hooks, sharded params
+        self.on_replicated: Optional[Any] = None  # and replicated ones (called with the ReplicatedParam)
         self.hook_handles: Dict[int, Any] = {}  # registered lazily: only a tensor that requires grad takes one
         self._swap_sharded()
 
@@ -179,9 +185,12 @@ class Unit:
         for p in (*self.params, *self.replicated):
             if p.full.requires_grad != p.sharded.requires_grad:
                 p.full.requires_grad_(p.sharded.requires_grad)
-            if (p.full.requires_grad and self.on_accumulated is not None and isinstance(p, ShardedParam)
-                    and p.index not in self.hook_handles):
-                self.hook_handles[p.index] = p.full.register_post_accumulate_grad_hook(self.on_accumulated)
+            if p.full.requires_grad and id(p) not in self.hook_handles:
+                if isinstance(p, ShardedParam) and self.on_accumulated is not None:
+                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(self.on_accumulated)
+                elif isinstance(p, ReplicatedParam) and self.on_replicated is not None:
+                    hook = self.on_replicated
+                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(lambda _, rp=p: hook(rp))
             for ref in p.refs:
                 ref.module._parameters[ref.attr] = p.full
 
@@ -191,9 +200,7 @@ class Unit:
         if self.state is not ShardedState.SHARDED:
             return
         if self.params:
-            self._gather = C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s,
-                                             dtype=self.param_dtype, async_op=True, log=self.log,
-                                             kernels=self.kernels)
+            self._gather = self._all_gather(async_op=True)
         self.state = ShardedState.GATHERING
         self.is_prefetched = prefetched
         self.log.live(self.full_numel)
@@ -206,20 +213,27 @@ class Unit:
             self.issue_gather()
         if self.params:
             res, self._gather = self._gather, None
-            C.wait(res.work, self.log)
+            out = C.gathered(res, self.log)
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
                 self.full_flat.untyped_storage().resize_(self._full_nbytes)
-                C.copy_out(res.output, self.full_views, self.s, self.kernels)
+                C.copy_out(out, self.full_views, self.s, self.kernels)
         self._swap_full()
         self.state = ShardedState.GATHERED
         self.is_prefetched = False
+
+    def _all_gather(self, async_op: bool) -> C.AllGatherResult:
+        if self.nodes is not None:
+            return C.all_gather_two_hop(self.shard_flat, self.nodes, dtype=self.param_dtype, async_op=async_op,
+                                        log=self.log, kernels=self.kernels)
+        return C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
+                                 async_op=async_op, log=self.log, kernels=self.kernels)
 
     def release(self) -> None:
         """-> SHARDED: the DTensors go back into the modules and the full storage is freed."""
         if self.state is ShardedState.SHARDED:
             return
-        if self._gather is not None:
-            C.wait(self._gather.work, self.log)
+        if self._gather is not None:  # a prefetch never used: its first hop is waited, no second hop (alike
+            C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)
             self._gather = None
         self._swap_sharded()
         if self.params:
@@ -232,10 +246,9 @@ class Unit:
         """After an optimizer step, a unit still in use gets the new values ([Note: version counters])."""
         if not self.params or self.state is not ShardedState.GATHERED:
             return
-        res = C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
-                                log=self.log, kernels=self.kernels)
+        out = C.gathered(self._all_gather(async_op=False), self.log)
         with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
-            C.copy_out(res.output, self.full_views, self.s, self.kernels)
+            C.copy_out(out, self.full_views, self.s, self.kernels)
 
     def drop(self) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone)."""
@@ -292,8 +305,6 @@ class Unit:
         slots = self.trainable()
         pending: List[_PendingReduce] = []
         if slots:
-            if self.accum is None:
-                self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
             for bucket in self.buckets(slots):
                 grads = []
                 for i in bucket.slots:
@@ -314,6 +325,11 @@ class Unit:
     def finish_reduce(self, p: _PendingReduce) -> None:
         C.wait(p.result.work, self.log)
         out = p.result.output
+        if self.accum is None:
+            if p.bucket.lo == 0 and p.bucket.hi == self.shard_flat.numel():
+                self.accum = out  # the window's first reduction of the whole unit: its output is the accumulator
+                return
+            self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
         if p.bucket.lo >= 0:
             self.accum[p.bucket.lo:p.bucket.hi].add_(out)
         else:
@@ -423,19 +439,34 @@ class MiCSEngine:
     def __init__(self, root: nn.Module, topo: Topology, *, shard_units: Optional[Sequence],
                  persistence_threshold: int, bucket_size: int, param_dtype: Optional[torch.dtype],
                  reduce_dtype: torch.dtype, kernels: str, device: torch.device, prefetch: int = 1,
-                 max_live_parameters: int = 10 ** 18, keep_for_backward: bool = True) -> None:
+                 max_live_parameters: int = 10 ** 18, hierarchical: bool = False,
+                 activation_checkpointing: Optional[Sequence] = None, checkpoint_group_size: int = 1,
+                 activation_offload: bool = False, keep_for_backward: bool = True) -> None:
         self.root, self.topo, self.kernels = root, topo, kernels
         self.options = dict(shard_units=shard_units, persistence_threshold=persistence_threshold,
                             bucket_size=bucket_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                             kernels=kernels, device=device, prefetch=prefetch,
-                            max_live_parameters=max_live_parameters)
+                            max_live_parameters=max_live_parameters, hierarchical=hierarchical,
+                            activation_checkpointing=activation_checkpointing,
+                            checkpoint_group_size=checkpoint_group_size, activation_offload=activation_offload,
+                            keep_for_backward=keep_for_backward)
         self.world_size = topo.layout.world_size
         self.log = CommLog()
         classes = resolve_classes(shard_units, "shard_units")
+        groups = plan_groups(root, activation_checkpointing, checkpoint_group_size) \
+            if activation_checkpointing else None  # validated before anything changes in the module
         plan = plan_sharding(root, classes, persistence_threshold, topo.layout.shard_size)
+        on_meta = has_meta(root)  # before the units replace the parameters with their (allocated) shards
+        nodes = topo.node_groups() if hierarchical else None
         self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_size=bucket_size,
-                           kernels=kernels, log=self.log, device=device) for up in plan.units]
+                           kernels=kernels, log=self.log, device=device, nodes=nodes) for up in plan.units]
         self.device = device
+        by_param = {id(rp.full): rp for u in self.units for rp in u.replicated}
+        order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
+        self.reducer = ReplicatedReducer(order, topo.world_group, self.world_size, bucket_size, device, self.log)
+        if on_meta:  # [Note: sharded initialization] in materialize.py
+            materialize(root, {(id(r.module), r.attr): p for u in self.units for p in (*u.params, *u.replicated)
+                               for r in p.refs}, device)
         self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward)
         self.sync_replicas = True  # False inside Lightning's block_backward_sync (not a boundary)
         self._callback_queued = False
@@ -448,6 +479,9 @@ class MiCSEngine:
                 self._handles.append(module.register_forward_hook(
                     self._make_post_forward(unit), with_kwargs=True, always_call=True))
             unit.on_accumulated = self._make_accumulated(unit)
+            unit.on_replicated = self._replicated_ready
+        # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
+        self.activations = ActivationCheckpointing(groups, activation_offload, self.log) if groups else None
 
     def _entry_modules(self, unit: Unit, plan: UnitPlan) -> List[nn.Module]:
         """Where a unit is entered: its module; for the root also every module holding a root parameter,
@@ -470,6 +504,18 @@ class MiCSEngine:
                 out.append(m)
         return out
 
+    def _plain_parameters(self) -> List[Tensor]:
+        """The full (plain) parameters in the module's registration order."""
+        at = {(id(r.module), r.attr): p.full for u in self.units for p in (*u.params, *u.replicated) for r in p.refs}
+        out, seen = [], set()
+        for module in self.root.modules():
+            for name in module._parameters:
+                full = at.get((id(module), name))
+                if full is not None and id(full) not in seen:
+                    seen.add(id(full))
+                    out.append(full)
+        return out
+
     # -- parameters as the optimizer sees them ------------------------------------------------------------
     def sharded_params(self) -> List[nn.Parameter]:
         return [p.sharded for u in self.units for p in (*u.params, *u.replicated)]
@@ -481,7 +527,9 @@ class MiCSEngine:
     # -- hooks ----------------------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit):
         def hook(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
-            if in_backward():  # recomputation inside backward: the pre-backward hook gathered the unit
+            if in_backward():  # recomputation inside backward (activation checkpointing): gather if released
+                if not unit.is_live:
+                    self.schedule.make_room(unit)
                 unit.finish_gather()
                 return args, kwargs
             unit.depth += 1
@@ -517,6 +565,8 @@ class MiCSEngine:
             grad = torch.is_grad_enabled()
             if not (grad and self.schedule.keep_after_forward(unit)):
                 unit.release()
+            if unit is self.units[0] and not grad:
+                self.quiesce()  # evaluation: no backward follows, nothing prefetched may linger
             if grad and output is not None:
                 flat, _ = tree_flatten(output)
                 for t in flat:
@@ -548,9 +598,14 @@ class MiCSEngine:
             if (unit.registered_post_backward == 0 and unit.accumulated == len(unit.params)
                     and unit.depth == 0 and unit.state is ShardedState.GATHERED):
                 self._reduce(unit)
-                unit.release()
+                self._release_after_backward(unit)
                 unit.training_state = TrainingState.POST_BACKWARD
         return hook
+
+    def _replicated_ready(self, rp: ReplicatedParam) -> None:
+        self._queue_end_of_backward()
+        if self.sync_replicas:
+            self.reducer.on_ready(rp)
 
     def _post_backward(self, unit: Unit) -> None:
         unit.pending_post_backward -= 1
@@ -558,9 +613,15 @@ class MiCSEngine:
             return
         if unit.needs_reduce:
             self._reduce(unit)
-        if unit.depth == 0:
-            unit.release()
+        self._release_after_backward(unit)
         unit.training_state = TrainingState.POST_BACKWARD
+
+    def _release_after_backward(self, unit: Unit) -> None:
+        if unit.depth > 0:  # backward inside the unit's own forward (manual optimization): still running
+            return
+        if unit is self.units[0] and not self.sync_replicas and self.schedule.keep_for_backward:
+            return  # [Note: keep for backward]: the next micro-batch of this window needs the root first
+        unit.release()
 
     def _reduce(self, unit: Unit) -> None:
         self._pending_reduces.extend(unit.issue_reduce())
@@ -583,8 +644,7 @@ class MiCSEngine:
         for unit in reversed(self.units):  # same order on every rank
             if unit.needs_reduce:
                 self._reduce(unit)
-            if unit.depth == 0:
-                unit.release()
+            self._release_after_backward(unit)
             unit.pending_post_backward = unit.registered_post_backward = unit.accumulated = 0
             unit.training_state = TrainingState.IDLE
         self._drain_reduces()
@@ -600,6 +660,13 @@ class MiCSEngine:
             unit.pending_post_backward = unit.registered_post_backward = unit.accumulated = 0
         self.schedule.begin_iteration()
 
+    def quiesce(self) -> None:
+        """Releases every unit that is not running (waiting for its prefetch): before a state dict or a save,
+        so the modules hold their DTensor masters, and after a pass without grad, so no gather lingers."""
+        for unit in self.units:
+            if not unit.in_use:
+                unit.release()
+
     def after_optimizer_step(self) -> None:
         """Post-step hook of every optimizer: units still in use get the new values; idle ones are released."""
         for unit in self.units:
@@ -610,46 +677,25 @@ class MiCSEngine:
 
     # -- accumulation boundary ------------------------------------------------------------------------------
     def sync(self) -> None:
-        """MiCS 2-hop sync: replica all-reduce of shard gradients, world all-reduce of replicated ones.
-
-        The world all-reduce also carries one flag per trainable parameter (did any rank get a gradient?)
-        so that a parameter no rank used keeps ``grad=None``, as in a plain single-process run.
-        """
+        """MiCS 2-hop sync: replica all-reduce of shard gradients, world all-reduce of replicated ones
+        ([Note: replicated gradients] in replicated.py, whose last bucket carries the sharded parameters'
+        flags: did any rank get a gradient?, so that a parameter no rank used keeps ``grad=None``)."""
         for unit in self.units:
             unit.sync_replicas()
-        rep = [rp for rp in self.replicated if rp.requires_grad]
-        flags = torch.cat([u.got_grad[list(u.trainable())] for u in self.units] + [
-            torch.tensor([rp.full.grad is not None for rp in rep], dtype=torch.bool)]).to(torch.float32)
-        parts = [(rp.full.grad if rp.full.grad is not None else torch.zeros_like(rp.full)).reshape(-1).float()
-                 for rp in rep]
-        buf = torch.cat(parts + [flags.to(self.device)]) if parts else flags.to(self.device)
-        if self.world_size > 1:
-            if rep:
-                buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
-            C.all_reduce_sum(buf, self.topo.world_group, log=self.log, group_name="world")
-        got = buf[buf.numel() - flags.numel():].cpu() > 0
+        flags = [u.got_grad[list(u.trainable())] for u in self.units]
+        got = self.reducer.finish(torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool))
         start = 0
         for unit in self.units:
             n = len(unit.trainable())
             unit.publish(got[start:start + n])
             start += n
-        offset = 0
-        for k, rp in enumerate(rep):
-            n = rp.local.numel()
-            if got[start + k]:
-                new = buf[offset:offset + n].view_as(rp.local).to(rp.local.dtype)
-                if rp.sharded.grad is None:
-                    rp.sharded.grad = rp.wrap(new)
-                else:
-                    local(rp.sharded.grad).add_(new)
-            rp.full.grad = None
-            offset += n
 
     # -- whole-model views ----------------------------------------------------------------------------------
     @torch.no_grad()
     def full_state_dict(self, dst: Optional[int] = 0) -> Dict[str, Tensor]:
         """The module's own state dict with full CPU tensors in the master dtype, gathered unit by unit onto
         global rank ``dst`` ({} elsewhere); ``dst=None``: on every rank. Collective."""
+        self.quiesce()
         rank = dist.get_rank()
         keep = dst is None or rank == dst
         full: Dict[int, Tensor] = {}
@@ -720,8 +766,10 @@ class MiCSEngine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self.activations is not None:
+            self.activations.remove()
         for unit in self.units:
-            unit.on_accumulated = None
+            unit.on_accumulated = unit.on_replicated = None  # (they close over the engine: no cycle left)
             for h in unit.hook_handles.values():
                 h.remove()
             unit.hook_handles.clear()
@@ -730,6 +778,7 @@ class MiCSEngine:
         """After an exception: every unit back to SHARDED locally, no collective (peers may be gone)."""
         self._pending_reduces.clear()
         self._callback_queued = False
+        self.reducer.reset()
         for unit in self.units:
             unit.drop()
         for rp in self.replicated:

@@ -19,7 +19,10 @@ Releasing a unit at the end of its forward and gathering it again at the start o
 the units whose backward comes first: the root (the loss is computed in it) and the last unit to start its
 forward. Those stay gathered from forward into backward when grad is enabled (FSDP2 does the same for its
 root), within the cap; anything kept and not used is released at the end of backward, at the next iteration,
-or after an optimizer step.
+or after an optimizer step. Inside an accumulation window (micro-batches before the boundary) the root also
+stays gathered from one micro-batch's backward into the next one's forward, where it is needed first: the
+parameters cannot change before the optimizer step, whose hook releases it. Kept units are idle, so the cap
+evicts them first when something must be gathered ([Note: live cap]).
 """
 
 from __future__ import annotations

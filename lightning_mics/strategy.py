@@ -44,7 +44,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -57,7 +57,10 @@ from lightning_mics import checkpoint_files as files
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSConfig, parse_dtype
 from lightning_mics.precision import default_dtypes, to_mics_precision
+from lightning_mics.materialize import has_meta
 from lightning_mics.runtime import MiCSEngine
+from lightning_mics.sharding import resolve_classes
+from lightning_mics import topology as T
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
@@ -94,7 +97,7 @@ class MiCSStrategy(ParallelStrategy):
     def __init__(
         self,
         sharded_data_parallel_degree: Optional[int] = None,
-        hierarchical_allgather: bool = True,
+        hierarchical_allgather: Optional[bool] = None,
         ranks_per_node: Optional[int] = None,
         reduce_bucket_size: int = 500_000_000,
         param_persistence_threshold: int = 1_000_000,
@@ -129,6 +132,9 @@ class MiCSStrategy(ParallelStrategy):
             activation_offload=activation_offload, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             kernels=kernels, state_dict_type=state_dict_type, timeout=timeout,
         )
+        # class names resolve now, before any process or collective, with the option named in the error
+        resolve_classes(self.config.shard_units, "shard_units")
+        resolve_classes(self.config.activation_checkpointing, "activation_checkpointing")
         if start_method not in _START_METHODS:
             raise ValueError(f"MiCSStrategy option start_method={start_method!r} is invalid: allowed is one of "
                              f"{_START_METHODS}.")
@@ -141,6 +147,7 @@ class MiCSStrategy(ParallelStrategy):
         self._step_hooks: List[Any] = []
         self._failed = False
         self._loaded_from = "checkpoint"
+        self._warned_flat = False
         self.comm_stats: Dict[str, float] = {}
 
     # -- layout -------------------------------------------------------------------------------------
@@ -222,6 +229,7 @@ class MiCSStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        T.release_groups_at_exit()  # [Note: groups at exit] in topology.py
         layout = plan_layout(self.world_size, s, self._ranks_per_node())
         self._topology = build_topology(layout, self.root_device.type)
         rank_zero_info(self._topology.describe())
@@ -255,7 +263,22 @@ class MiCSStrategy(ParallelStrategy):
                     param_dtype=parse_dtype("param_dtype", cfg.param_dtype) or param_default,
                     reduce_dtype=parse_dtype("reduce_dtype", cfg.reduce_dtype) or reduce_default,
                     kernels=cfg.kernels, device=self.root_device, prefetch=cfg.prefetch,
-                    max_live_parameters=cfg.max_live_parameters)
+                    max_live_parameters=cfg.max_live_parameters, hierarchical=self._hierarchical(),
+                    activation_checkpointing=cfg.activation_checkpointing,
+                    checkpoint_group_size=cfg.checkpoint_group_size, activation_offload=cfg.activation_offload)
+
+    def _hierarchical(self) -> bool:
+        """Two hops whenever a shard group spans whole nodes, unless turned off; asked for where it cannot
+        apply, one warning and the flat gather."""
+        layout = self.topology.layout
+        wanted = self.config.hierarchical_allgather
+        if wanted and not layout.hierarchical_possible and not self._warned_flat:
+            self._warned_flat = True
+            rank_zero_warn(
+                f"MiCSStrategy(hierarchical_allgather=True): a sharding group of {layout.shard_size} ranks "
+                + ("sits inside one node" if not layout.spans_nodes else "does not span whole nodes")
+                + f" of {layout.ranks_per_node} ranks; using the flat all-gather.")
+        return layout.hierarchical_possible and wanted is not False
 
     def _shard_model(self) -> None:
         module = self.lightning_module
@@ -291,7 +314,34 @@ class MiCSStrategy(ParallelStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        self.model.to(self.root_device)
+        if not has_meta(self.model):  # meta tensors are materialized as shards ([Note: sharded initialization])
+            self.model.to(self.root_device)
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)``: on the meta device, materialized as shards at setup."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Counts the bytes autograd keeps for backward (telemetry: ``mem/saved_for_backward_bytes``); hooks the
+        user installs inside the step take precedence, as saved-tensor hooks nest."""
+        log = self._engine.log if self._engine is not None else None
+        if log is None:
+            return super().training_step(*args, **kwargs)
+
+        def pack(t: Tensor) -> Tensor:
+            log.saved(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return super().training_step(*args, **kwargs)
 
     @contextmanager
     @override
@@ -552,6 +602,9 @@ class MiCSStrategy(ParallelStrategy):
                 self._restore_plain_state()
                 _ENGINES.pop(self.lightning_module, None)
                 self._engine = None
+        if self._topology is not None and not any(e.topo is self._topology for e in _ENGINES.values()):
+            T.release(self._topology)  # [Note: one topology per layout]
+            self._topology = None
         self._failed = False
         if self.lightning_module is not None:
             self.model = self.lightning_module

@@ -18,11 +18,19 @@ class CommLog:
         self.gathered_elements = 0
         self.gathered_peak = 0
         self.wait_seconds = 0.0
+        self.saved_bytes = 0  # saved for backward (tensors autograd keeps), this window
+        self.offloaded_bytes = 0  # of which copied to host memory (activation_offload)
 
     def record(self, op: str, group: str, nbytes: int) -> None:
         entry = self._window[(op, group)]
         entry[0] += 1
         entry[1] += int(nbytes)
+
+    def saved(self, nbytes: int) -> None:
+        self.saved_bytes += nbytes
+
+    def offloaded(self, nbytes: int) -> None:
+        self.offloaded_bytes += nbytes
 
     def waited(self, seconds: float) -> None:
         self.wait_seconds += seconds
@@ -39,8 +47,11 @@ class CommLog:
             out[f"comm/{op}/{group}/calls"] = float(calls)
         out["mem/gathered_elements_peak"] = float(self.gathered_peak)
         out["time/comm_wait_s"] = float(self.wait_seconds)
+        out["mem/saved_for_backward_bytes"] = float(self.saved_bytes)
+        out["mem/offloaded_bytes"] = float(self.offloaded_bytes)
         if reset:
             self._window.clear()
             self.gathered_peak = self.gathered_elements
             self.wait_seconds = 0.0
+            self.saved_bytes = self.offloaded_bytes = 0
         return out

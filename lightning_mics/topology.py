@@ -14,12 +14,16 @@ nodes; s/p ranks) and an ``intra`` axis (one node; p ranks), used by the two-hop
 
 from __future__ import annotations
 
+import atexit
+import gc
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lightning_mics.collectives import NodeGroups
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,15 @@ class Topology:
                     out.append(pg)
         return out
 
+    def node_groups(self) -> NodeGroups:
+        """The two-hop all-gather's groups ([Note: two-hop all-gather] in collectives.py)."""
+        if self.node_mesh is None:
+            raise RuntimeError(f"no two-hop groups: a shard group of {self.layout.shard_size} ranks does not span "
+                               f"whole nodes of {self.layout.ranks_per_node}")
+        p = self.layout.ranks_per_node
+        return NodeGroups(self.node_mesh.get_group("inter"), self.node_mesh.get_group("intra"),
+                          self.layout.shard_size // p, p)
+
     @property
     def shard_group(self) -> dist.ProcessGroup:
         return self.mesh.get_group("shard")
@@ -131,11 +144,13 @@ class Topology:
 
 
 # [Note: one topology per layout]
-# Sub-groups are created once per layout and process, and reused by every later fit on that layout; they are
-# never destroyed while the default group lives. Destroying them is unsafe: DeviceMesh equality ignores the
-# process groups, so DTensor's sharding-propagation cache hands a later, equal mesh the output specs of the old
-# one, whose groups no longer resolve ("Could not resolve the process group registered under the name 3").
-# So the number of live groups grows with the number of distinct layouts used in a process, not with fits.
+# Sub-groups are created once per layout and reused while anything uses that layout (a strategy between its
+# setup and teardown, a module left sharded after fit). When nothing does, ``release`` destroys them, so fits
+# with other layouts in the same process do not pile groups up. Destroying needs care: DeviceMesh equality
+# ignores the process groups, so DTensor's sharding-propagation caches would hand a later, equal mesh the
+# output specs of the old one, whose groups no longer resolve ("Could not resolve the process group registered
+# under the name 3"); ``release`` clears those caches first, and keeps the groups where this torch does not
+# offer the means to clear them.
 _TOPOLOGIES: Dict[Tuple, Topology] = {}
 
 
@@ -163,3 +178,77 @@ def build_topology(layout: Layout, device_type: str) -> Topology:
     topo = Topology(layout, mesh, node_mesh, rank, world)
     _TOPOLOGIES[key] = topo
     return topo
+
+
+def _clear_dtensor_caches() -> bool:
+    """Empties DTensor's caches of sharding decisions (keyed on mesh equality); False if this torch lacks one
+    of the hooks, in which case nothing is cleared and groups must not be destroyed."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    prop = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    clears = [getattr(getattr(prop, "propagate_op_sharding", None), "cache_clear", None),
+              getattr(ShardingPropagator._propagate_tensor_meta_cached, "cache_clear", None),
+              getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+              getattr(_redistribute._gen_transform_infos, "cache_clear", None),
+              getattr(_redistribute, "clear_redistribute_planner_cache", None)]
+    if not all(callable(c) for c in clears):
+        return False
+    for clear in clears:
+        clear()
+    return True
+
+
+def _drop_meshes(topo: Topology) -> None:
+    for mesh in (topo.mesh, topo.node_mesh):
+        while mesh is not None:  # a mesh keeps its groups alive: a gloo group's threads join when it goes
+            mesh._pg_registry.clear()
+            mesh = mesh._root_mesh
+
+
+def release(topo: Topology) -> None:
+    """Destroys the sub-groups of a topology nothing uses any more ([Note: one topology per layout])."""
+    key = (topo.layout, topo.mesh.device_type)
+    if _TOPOLOGIES.get(key) is not topo or not dist.is_initialized() or not _clear_dtensor_caches():
+        return
+    del _TOPOLOGIES[key]
+    for pg in topo.groups():
+        dist.destroy_process_group(pg)
+    _drop_meshes(topo)
+    topo.world = None
+
+
+# [Note: groups at exit]
+# A gloo group runs its collectives on worker threads (pt_gloo_runloop). After a collective completes, the worker
+# still holds the Work until the end of its loop iteration, and releasing it needs the GIL (the Python objects of
+# its tensors, the Python state captured in its ThreadLocalState). If the interpreter has begun finalizing by then,
+# CPython (< 3.14) ends the thread with pthread_exit; the forced unwind meets a noexcept frame in
+# ProcessGroupGloo::runLoop and std::terminate aborts the process ("terminate called without an active exception",
+# status -6) after a fit that succeeded (issue 24; seen with Lightning's DDP too, which leaves its group alive).
+# Every group still alive at exit is exposed, the default group included. destroy_process_group() alone does not
+# stop a gloo group's threads; only destructing the ProcessGroupGloo joins them, and a DeviceMesh keeps its groups
+# in ``_pg_registry``. So at exit, before finalization, while workers can still take the GIL: destroy every group,
+# drop our topologies, empty their meshes' registries and collect garbage (an engine and its units form a cycle
+# that may hold a group); the last references go and each group's threads join.
+_RELEASE_AT_EXIT_REGISTERED = False
+
+
+def release_all_groups() -> None:
+    """Destroys every process group and drops this module's references to them ([Note: groups at exit])."""
+    topologies = list(_TOPOLOGIES.values())
+    _TOPOLOGIES.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for topo in topologies:
+        _drop_meshes(topo)
+        topo.world = None
+    gc.collect()  # a group held only by a reference cycle (an engine and its units) goes now, not at finalization
+
+
+def release_groups_at_exit() -> None:
+    """Registers :func:`release_all_groups` with atexit (once per process)."""
+    global _RELEASE_AT_EXIT_REGISTERED
+    if not _RELEASE_AT_EXIT_REGISTERED:
+        atexit.register(release_all_groups)
+        _RELEASE_AT_EXIT_REGISTERED = True

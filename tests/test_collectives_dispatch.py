@@ -1,5 +1,6 @@
 """Which collective runs on which group, how often: counted by a TorchDispatchMode around every batch."""
 
+import json
 from collections import Counter
 
 import pytest
@@ -12,6 +13,7 @@ pytestmark = pytest.mark.distributed
 SHARD = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
 REPLICA = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
 WORLD = [0, 1, 2, 3]
+WORLD_T = tuple(WORLD)
 
 
 def test_two_hop_sync_with_accumulation(tmp_path):
@@ -26,11 +28,14 @@ def test_two_hop_sync_with_accumulation(tmp_path):
         for i, events in enumerate(r["comms"]):
             c = Counter((op, tuple(g)) for op, g, _ in events)
             boundary = (i + 1) % accum == 0
-            # forward + backward all-gather of every unit, only in the shard group, except that the root stays
-            # gathered into backward, and from the second micro-batch on (once the order is recorded) so does
-            # the last unit of the forward ([Note: keep for backward] in schedule.py)
-            kept = 1 if i == 0 else 2
-            assert c[("all_gather", tuple(SHARD[rank]))] == 2 * n_units - kept, (i, c)
+            # All-gathers only in the shard group ([Note: keep for backward] in schedule.py): forward gathers
+            # every block, and the root only in the first micro-batch of a window (it stays gathered from one
+            # micro-batch into the next until the optimizer step); backward gathers every block except the last
+            # one of the forward, which stays gathered once the order is recorded (from the second micro-batch).
+            blocks = n_units - 1
+            forward = blocks + (1 if i % accum == 0 else 0)
+            backward = blocks - (1 if i > 0 else 0)
+            assert c[("all_gather", tuple(SHARD[rank]))] == forward + backward, (i, c)
             # reduce-scatter of every bucket, every micro-batch, only in the shard group
             assert c[("reduce_scatter", tuple(SHARD[rank]))] == n_buckets, (i, c)
             # replica all-reduce: once per bucket, only at the accumulation boundary
@@ -61,3 +66,88 @@ def test_telemetry_bytes_agree_with_dispatch(tmp_path):
                               ("all_reduce", "world")]:
                 seen = sum(n for o, g, n in window if o == op and g == groups[gname])
                 assert stats[f"comm/{op}/{gname}/bytes"] == seen, (op, gname, stats, seen)
+
+
+def _cross_node_bytes(events, rank, per_node):
+    """Bytes of all-gather output that came from ranks on other nodes (a group's output is split evenly)."""
+    node = rank // per_node
+    return sum(n * sum(1 for x in g if x // per_node != node) / len(g)
+               for op, g, n in events if op == "all_gather" and g)
+
+
+def test_two_hop_all_gather_groups_and_cross_node_bytes(tmp_path):
+    """s = 4 over 2 simulated nodes of 2 ranks: the two-hop gather runs on the inter group (same local rank,
+    other node), then the intra group, and brings half the bytes across nodes that the flat gather does."""
+    variants = [{"s": 4, "ranks_per_node": 2}, {"s": 4, "ranks_per_node": 2, "hierarchical_allgather": False}]
+    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--steps", "2", "--count", "--variants", json.dumps(variants)],
+                    tmp_path)
+    for r in res:
+        rank = r["rank"]
+        two_hop, flat = r["variants"]
+        inter = tuple(j for j in range(4) if j % 2 == rank % 2)
+        intra = tuple(j for j in range(4) if j // 2 == rank // 2)
+        for events in two_hop["comms"]:
+            c = Counter((op, tuple(g)) for op, g, _ in events if op == "all_gather")
+            assert set(c) == {("all_gather", inter), ("all_gather", intra)}, c
+            assert c[("all_gather", inter)] == c[("all_gather", intra)] > 0
+        for events in flat["comms"]:
+            assert {tuple(g) for op, g, _ in events if op == "all_gather"} == {WORLD_T}
+        gathers = sum(1 for events in two_hop["comms"] for op, g, _ in events if op == "all_gather"
+                      and tuple(g) == inter)
+        assert gathers == sum(1 for events in flat["comms"] for op, _, _ in events if op == "all_gather")
+        cross_two_hop = sum(_cross_node_bytes(e, rank, 2) for e in two_hop["comms"])
+        cross_flat = sum(_cross_node_bytes(e, rank, 2) for e in flat["comms"])
+        assert cross_two_hop * 2 == cross_flat > 0
+
+
+def test_prefetch_issues_the_next_units_before_a_forward_runs(tmp_path):
+    """A 4-block GPT: by the time block k's forward runs, the root and blocks 0..k are gathered and, with
+    prefetch p, the next p blocks' all-gathers have been issued (from the second step on: the recorded order)."""
+    blocks = 4
+    variants = [{"s": 2, "prefetch": 0}, {"s": 2, "prefetch": 2}]
+    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--layers", str(blocks), "--steps", "3", "--count", "--markers",
+                                "--variants", json.dumps(variants)], tmp_path)
+    for r in res:
+        for prefetch, v in zip((0, 2), r["variants"]):
+            gathers, seen = 0, 0
+            for op, _, _ in v["comms"][-1]:
+                if op == "all_gather":
+                    gathers += 1
+                elif op.startswith("forward:model.h."):
+                    k = int(op.rsplit(".", 1)[1])
+                    assert gathers == min(1 + (k + 1) + prefetch, 1 + blocks), (prefetch, k, gathers)
+                    seen += 1
+                elif op == "reduce_scatter":
+                    break  # backward
+            assert seen == blocks
+        # telemetry: time spent waiting on communication, per optimizer step
+        assert all(st["time/comm_wait_s"] >= 0 for st in r["variants"][1]["stats"])
+
+
+def test_live_gathered_parameters_stay_within_the_cap(tmp_path):
+    """Live gathered elements, measured from storages at every dispatched op (tests/helpers/live.py): with
+    prefetch 2 and max_live_parameters set, never more than the cap plus the largest unit; without the cap,
+    more than that is alive, so the cap was what held it."""
+    cap = 20000
+    variants = [{"s": 2, "prefetch": 2, "max_live_parameters": cap}, {"s": 2, "prefetch": 2}]
+    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count",
+                                "--variants", json.dumps(variants)], tmp_path)
+    for r in res:
+        capped, free = r["variants"]
+        largest = max(capped["state_bytes"]["unit_numels"])
+        assert capped["live_peak"] / 4 <= cap + largest, (capped["live_peak"] / 4, cap, largest)
+        assert free["live_peak"] / 4 > cap + largest
+    # and it still trains right
+    assert all(e["max_abs"] <= 1e-7 + 1e-5 * e["ref_max"] for e in res[0]["variants"][0]["errors"].values())
+
+
+def test_replicated_gradients_are_reduced_in_buckets_during_backward(tmp_path):
+    """Replicated parameters' gradients go in buckets as they become ready, as DDP does: with small buckets,
+    several world all-reduces at the boundary, the first before backward's last reduce-scatter."""
+    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--threshold", "200", "--bucket", "64", "--count"],
+                    tmp_path)
+    for r in res:
+        ops = [(op, tuple(g) if g else None) for op, g, _ in r["comms"][-1]]
+        world = [i for i, (op, g) in enumerate(ops) if op == "all_reduce" and g == WORLD_T]
+        scatters = [i for i, (op, g) in enumerate(ops) if op == "reduce_scatter"]
+        assert len(world) > 1 and world[0] < scatters[-1], ops

@@ -4,6 +4,8 @@ Each case starts 4 ranks of ``tests/scripts/equiv.py``; rank 0 also trains the r
 optimizer, global batch = the union of the ranks' batches) and reports per-parameter differences.
 """
 
+import json
+
 import pytest
 
 from tests.helpers.launch import REPO, run_ranks
@@ -30,15 +32,55 @@ def _assert_matches(result, rtol, atol, frozen=()):
 
 TIED_FIXED = ("frozen.weight", "frozen.bias", "unused.weight", "unused.bias")
 
+# Every layout (s, r) in {(1,4), (2,2), (4,1)}; prefetch 0 and 2 besides the default 1; the two-hop all-gather
+# (s = 4 over 2 simulated nodes of 2 ranks); activation checkpointing of each model's blocks, one at a time,
+# grouped by 2, and grouped with the boundary activations offloaded. Trained one after another in the same 4
+# processes, with accumulation 2, each against the same single-process reference.
+BLOCKS = {"gpt": "lightning_mics.app.models.gpt.Block", "demo": "torch.nn.TransformerEncoderLayer",
+          "tied": "torch.nn.Sequential"}
+VARIANTS = {
+    "s1": {"s": 1}, "s2": {"s": 2}, "s4": {"s": 4},
+    "s2-prefetch0": {"s": 2, "prefetch": 0}, "s2-prefetch2": {"s": 2, "prefetch": 2},
+    "s4-two-hop": {"s": 4, "ranks_per_node": 2},
+    "s2-checkpoint": {"s": 2, "activation_checkpointing": "BLOCK"},
+    "s2-checkpoint-group2": {"s": 2, "activation_checkpointing": "BLOCK", "checkpoint_group_size": 2},
+    "s2-checkpoint-group2-offload": {"s": 2, "activation_checkpointing": "BLOCK", "checkpoint_group_size": 2,
+                                     "activation_offload": True},
+}
+
+
+def _for_model(model):
+    variants = [{k: ([BLOCKS[model]] if v == "BLOCK" else v) for k, v in variant.items()} for variant in VARIANTS.values()]
+    if model == "tied":  # its blocks are residual (x + b(x)): not a sequential stack, grouping is refused for it
+        variants = [dict(v, checkpoint_group_size=1) if "checkpoint_group_size" in v else v for v in variants]
+    return variants
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    runs = {}
+
+    def get(model):
+        if model not in runs:
+            d = tmp_path_factory.mktemp(model)
+            res = run_ranks(SCRIPT, 4, ["--model", model, "--steps", "4", "--accum", "2",
+                                        "--variants", json.dumps(_for_model(model))], d)
+            runs[model] = res
+        return runs[model]
+    return get
+
 
 @pytest.mark.parametrize("model", ["gpt", "demo", "tied"])
-@pytest.mark.parametrize("s", [1, 2, 4])
-def test_sgd_matches_single_process(tmp_path, model, s):
-    res = _run(tmp_path, "--model", model, "--s", str(s), "--steps", "4")
-    _assert_matches(res[0], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED if model == "tied" else ())
-    assert all(r["global_step"] == 4 for r in res)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_sgd_matches_single_process(layouts, model, variant):
+    res = layouts(model)
+    k = list(VARIANTS).index(variant)
+    for r in res:
+        assert "error" not in r["variants"][k], r["variants"][k].get("error")
+    _assert_matches(res[0]["variants"][k], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED if model == "tied" else ())
+    assert all(r["variants"][k]["global_step"] == 4 for r in res)
     # self.log(..., sync_dist=True) in validation: the same reduced value on every rank
-    assert len({r["val_loss"] for r in res}) == 1
+    assert len({r["variants"][k]["val_loss"] for r in res}) == 1
 
 
 def test_adamw_param_groups_match(tmp_path):

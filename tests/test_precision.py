@@ -1,6 +1,8 @@
 """Mixed precision under sharding: fp16 loss scaling skips an overflowing step on every rank; bf16 trains
 close to the fp32 reference; low-precision gathers halve the gathered bytes while reduction stays fp32."""
 
+import json
+
 import pytest
 
 from tests.helpers.launch import REPO, run_ranks
@@ -23,9 +25,14 @@ def test_fp16_overflow_on_one_rank_skips_step_everywhere(tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_trains_close_to_fp32_reference(tmp_path, precision):
+    """Also with the schedule and activation features on (prefetch 2, blocks checkpointed two at a time with the
+    boundary activations offloaded): the same model, under bf16."""
+    variants = [{"s": 2}, {"s": 2, "prefetch": 2, "activation_checkpointing": ["lightning_mics.app.models.gpt.Block"],
+                           "checkpoint_group_size": 2, "activation_offload": True}]
     res = run_ranks(REPO / "tests" / "scripts" / "equiv.py", 4,
-                    ["--model", "gpt", "--s", "2", "--precision", precision, "--accum", "2", "--clip", "1.0"],
-                    tmp_path)
-    for name, e in res[0]["errors"].items():
-        assert e["rel_norm"] < 2e-2, (name, e)
-        assert e["moved"] > 0
+                    ["--model", "gpt", "--precision", precision, "--accum", "2", "--clip", "1.0",
+                     "--variants", json.dumps(variants)], tmp_path)
+    for variant in res[0]["variants"]:
+        for name, e in variant["errors"].items():
+            assert e["rel_norm"] < 2e-2, (name, e)
+            assert e["moved"] > 0

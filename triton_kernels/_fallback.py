@@ -41,22 +41,14 @@ def chunk_cat(tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor
 
 def chunk_split(flat: torch.Tensor, outs: Sequence[torch.Tensor], layout: Layout) -> None:
     nc, segs = layout.num_chunks, list(layout.segs)
-    if all(o.dtype == flat.dtype for o in outs):
-        # One split_with_sizes_copy along dim 1 (FSDP2's copy-out): tensors that fill their chunks
-        # exactly receive it in place; padded ones land in a scratch (nc, seg) and are trimmed after.
-        dsts, trims = [], []
-        for o, n, seg in zip(outs, layout.numels, segs):
-            if n == nc * seg:
-                dsts.append(o.view(nc, seg))
-            else:
-                dsts.append(flat.new_empty(nc, seg))
-                trims.append((o.view(-1), dsts[-1].view(-1)[:n]))
-        torch.split_with_sizes_copy(flat, segs, dim=1, out=dsts)
-        if trims:
-            torch._foreach_copy_(*map(list, zip(*trims)))
+    if all(o.dtype == flat.dtype for o in outs) and all(n == nc * seg for n, seg in zip(layout.numels, segs)):
+        # No padding: one split_with_sizes_copy along dim 1 (FSDP2's copy-out), each tensor in place.
+        torch.split_with_sizes_copy(flat, segs, dim=1, out=[o.view(nc, seg) for o, seg in zip(outs, segs)])
         return
-    # Casting: per tensor at most two copy_ pairs, its full chunks as one strided (rows, seg) block and
-    # the partial last chunk, all in one _foreach_copy_ (which casts like copy_).
+    # Padding or casting: per tensor at most two copy_ pairs, its full chunks as one strided (rows, seg) block
+    # and the partial last chunk, all in one _foreach_copy_ (which casts like copy_). One pass, no scratch:
+    # measured 15.5 ms against 34.4 ms for split_with_sizes_copy into a scratch and a trim (GPT-2 shapes,
+    # 50257-row embedding, 2 chunks, one CPU thread).
     dsts, srcs = [], []
     for o, n, seg, off in zip(outs, layout.numels, segs, layout.offsets):
         if not seg:

@@ -23,13 +23,33 @@ _NAMES = {
 
 
 class CommCounter(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, live=None) -> None:
         super().__init__()
+        self.live = live  # an optional tests.helpers.live.LiveMeter, sampled at every op
+        self.replayed = 0  # forward-only ops (gelu) run while autograd runs a backward: recomputation
         self.events: List[Tuple[str, Tuple[int, ...], int]] = []  # (op, group ranks, bytes)
         self.dtypes: List[torch.dtype] = []  # dtype of each event's largest buffer, parallel to events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten.gelu.default and torch._C._current_graph_task_id() != -1:
+            self.replayed += 1
+        if self.live is not None:
+            out = func(*args, **kwargs)
+            if func.namespace == "c10d" and _NAMES.get(func._schema.name.split("::")[-1]) == "all_gather":
+                self.live.on_all_gather(args[0] if isinstance(args[0], torch.Tensor) else args[0][0])
+            self.live.sample()
+            self._count(func, args, kwargs)
+            return out
+        self._count(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def marker(self, name: str) -> None:
+        """A named point between the collectives (e.g. a unit's forward starting)."""
+        self.events.append((name, None, 0))
+        self.dtypes.append(None)
+
+    def _count(self, func, args, kwargs) -> None:
         if func.namespace == "c10d":
             name = func._schema.name.split("::")[-1]
             op = _NAMES.get(name, name)
@@ -50,7 +70,6 @@ class CommCounter(TorchDispatchMode):
                     nbytes, dtype = size, ts[0].dtype
             self.events.append((op, group, nbytes))
             self.dtypes.append(dtype)
-        return func(*args, **kwargs)
 
     def counts(self) -> Counter:
         return Counter((op, group) for op, group, _ in self.events)

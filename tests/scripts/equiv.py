@@ -25,8 +25,11 @@ import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
+from tests.helpers.live import LiveMeter  # noqa: E402
 
 VOCAB, SEQ = 61, 12  # deliberately odd sizes: uneven shards and padding
+LAYERS = 2  # GPT blocks (--layers)
+MEASURE = False  # --measure: bytes kept for backward and forward ops replayed in backward
 
 
 class TiedFrozen(nn.Module):
@@ -76,7 +79,7 @@ class DemoTransformer(nn.Module):
 def build(name):
     torch.manual_seed(1234)
     if name == "gpt":
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=32))
     if name == "demo":
         return DemoTransformer()
     if name == "tied":
@@ -100,11 +103,18 @@ class Module(L.LightningModule):
         super().__init__()
         self.model = build(name)
         self.opt = opt
+        self.kept_bytes = 0
 
     def training_step(self, batch, idx):
-        if os.environ.get("DEBUG_BATCH"):
-            print("BATCH", self.global_rank, idx, batch[0][:, :3].tolist(), flush=True)
-        return self.model.loss(*batch)
+        if not MEASURE:
+            return self.model.loss(*batch)
+        # the test's own saved-tensor hooks (inside the step, so they take precedence over the strategy's):
+        # the bytes autograd keeps for backward
+        def pack(t):
+            self.kept_bytes += t.numel() * t.element_size()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return self.model.loss(*batch)
 
     def validation_step(self, batch, idx):
         self.log("val_loss", self.model.loss(*batch), sync_dist=True)
@@ -114,19 +124,37 @@ class Module(L.LightningModule):
 
 
 class CountComms(L.Callback):
-    """Records the collectives of every training batch (forward, backward, and optimizer step)."""
+    """Records the collectives of every training batch (forward, backward, and optimizer step); with markers,
+    also where each unit's forward starts; and the peak of live gathered parameters (tests/helpers/live.py)."""
 
-    def __init__(self):
+    def __init__(self, markers=False):
         self.mode, self.per_batch, self.stats = None, [], []
+        self.markers, self.meter, self.live_peak = markers, None, 0
+        self.kept, self.replayed = [], []
+
+    def on_train_start(self, trainer, pl_module):
+        self.meter = LiveMeter(pl_module, trainer.optimizers)
+        if self.markers:
+            for unit in trainer.strategy.engine.units:
+                unit.module.register_forward_pre_hook(lambda *_, path=unit.path: self._mark(path))
+
+    def _mark(self, path):
+        if self.mode is not None and not torch.is_inference_mode_enabled():
+            self.mode.marker(f"forward:{path}")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.mode = CommCounter()
+        self.mode = CommCounter(live=self.meter)
         self.mode.__enter__()
+        pl_module.kept_bytes = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.mode.__exit__(None, None, None)
         self.per_batch.append([[op, list(g) if g else None, n] for op, g, n in self.mode.events])
+        self.kept.append(pl_module.kept_bytes)
+        self.replayed.append(self.mode.replayed)
         self.stats.append(dict(trainer.strategy.comm_stats))
+        self.live_peak = self.meter.peak_bytes
+        self.mode = None
 
 
 def data(world, batch, steps, accum):
@@ -181,7 +209,13 @@ def main():
     ap.add_argument("--bucket", type=int, default=int(5e8))
     ap.add_argument("--count", action="store_true")
     ap.add_argument("--extra", default="{}")
+    ap.add_argument("--variants", default="", help="JSON list of strategy options, one fit each")
+    ap.add_argument("--markers", action="store_true", help="record unit forwards between the collectives")
+    ap.add_argument("--layers", type=int, default=2, help="GPT blocks")
+    ap.add_argument("--measure", action="store_true", help="bytes kept for backward, forward ops replayed")
     args = ap.parse_args()
+    global LAYERS, MEASURE
+    LAYERS, MEASURE = args.layers, args.measure
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
     x, y = data(world, args.batch, args.steps, args.accum)
@@ -191,9 +225,30 @@ def main():
                        sampler=DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=False))
     val_set = TensorDataset(x[: world * 2], y[: world * 2])
     val = DataLoader(val_set, batch_size=2, sampler=DistributedSampler(val_set, world, rank, shuffle=False))
-    strategy = MiCSStrategy(sharded_data_parallel_degree=args.s, param_persistence_threshold=args.threshold,
-                            reduce_bucket_size=args.bucket, state_dict_type="full", **json.loads(args.extra))
-    counter = CountComms()
+    # --variants: several strategy configurations trained one after another in the same processes (process
+    # start-up dominates a launch on a small machine); the single-process reference is computed once.
+    variants = json.loads(args.variants) if args.variants else [{"s": args.s, **json.loads(args.extra)}]
+    ref = None
+    if rank == 0:
+        ref = reference(args, world, x, y)
+    results = []
+    for variant in variants:
+        try:
+            results.append(run_variant(args, dict(variant), world, rank, train, val, ref))
+        except Exception:
+            import traceback
+
+            traceback.print_exc()
+            results.append({"error": traceback.format_exc()})
+    result = dict(results[0], rank=rank, variants=results)
+    (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+
+
+def run_variant(args, variant, world, rank, train, val, ref):
+    s = variant.pop("s", args.s)
+    strategy = MiCSStrategy(sharded_data_parallel_degree=s, param_persistence_threshold=args.threshold,
+                            reduce_bucket_size=args.bucket, state_dict_type="full", **variant)
+    counter = CountComms(markers=args.markers)
     trainer = L.Trainer(
         accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
         accumulate_grad_batches=args.accum, gradient_clip_val=args.clip or None, precision=args.precision,
@@ -219,20 +274,25 @@ def main():
             state_bytes["plain"] = plain_bytes
             state_bytes["n_buckets"] = sum(len(u.buckets(u.trainable())) for u in eng.units)
             state_bytes["n_units"] = sum(1 for u in eng.units if u.full_numel)
+            state_bytes["unit_numels"] = [u.full_numel for u in eng.units]
 
     trainer.callbacks.append(Grab())
     trainer.fit(module, train, val)
     full = trainer.strategy.lightning_module_state_dict()  # after fit: module restored, plain state dict
-    result = {"rank": rank, "state_bytes": state_bytes, "n_params": n_params,
+    result = {"state_bytes": state_bytes, "n_params": n_params,
               "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-              "comms": counter.per_batch, "stats": counter.stats, "global_step": trainer.global_step}
+              "comms": counter.per_batch, "stats": counter.stats, "live_peak": counter.live_peak,
+              "kept_bytes": counter.kept, "replayed_forward_ops": counter.replayed,
+              "global_step": trainer.global_step}
     if rank == 0:
-        init, ref, norms = reference(args, world, x, y)
+        init, ref_sd, norms = ref
         result["ref_norms"] = norms
-        got = module.model.state_dict()
+        # what the user gets back (fp32 masters, whether the module was made plain after fit or stays sharded)
+        got = {k[len("model."):]: v for k, v in full.items()}
         result["full_sd_keys_match"] = sorted(full) == sorted(module.state_dict())
+        result["plain_after_fit"] = all(type(p) is torch.nn.Parameter for p in module.parameters())
         errs = {}
-        for k, r in ref.items():
+        for k, r in ref_sd.items():
             g = got[k].float()
             moved = (r.float() - init[k].float()).norm().item()
             errs[k] = {"max_abs": (g - r.float()).abs().max().item(), "ref_max": r.float().abs().max().item(),
@@ -240,9 +300,7 @@ def main():
                        "rel_norm": (g - r.float()).norm().item() / max(r.float().norm().item(), 1e-12),
                        "shape_ok": list(g.shape) == list(r.shape)}
         result["errors"] = errs
-        torch.save({"ref": ref, "got": got, "init": init}, Path(args.out) / "params.pt")
-    (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
-
+    return result
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,203 @@
+"""Grouped activation checkpointing, and CPU offload of the activations kept at checkpoint boundaries.
+
+[Note: grouped checkpointing]
+``activation_checkpointing`` names module classes; their instances that are consecutive siblings (children of
+one module, a ModuleList's blocks) form groups of ``checkpoint_group_size``. A group is one segment of torch's
+non-reentrant checkpoint, entered in the pre-forward hook of its first module and left in the post-forward
+hook of its last: the user's own loop over the blocks runs unchanged, nothing inside the segment is kept for
+backward but the segment's inputs, and in backward the segment is replayed block by block (each block called
+through its module, so a block that is a unit finds itself gathered: its pre-forward hook gathers it when
+autograd replays it, and its post-backward releases it). The replay feeds each block the previous block's
+output and the other arguments it got in forward, so a group must be a sequential stack; that is checked in
+forward (a block whose first input is not the previous block's output is refused with a clear error), and
+torch's own check refuses a replay that saves different tensors. Grouping k blocks keeps one input per k
+blocks instead of one per block (the seed: "grouping two or more layers together for checkpointing is more
+memory efficient"), at the price of k blocks' gathered parameters alive while the group is replayed.
+
+[Note: activation offload]
+With ``activation_offload``, the checkpoint keeps a host copy of each segment's inputs instead of the inputs
+(on CUDA: pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay
+moves them back, and the pre-backward hook of the group's last block starts that copy ahead, on the side
+stream, so it overlaps the backward of the blocks after it. On CPU the host copy is a plain copy: the same
+code path, no memory saved (the device is the host).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
+
+from lightning_mics.sharding import resolve_classes
+
+
+def _fail(option: str, value: Any, message: str) -> None:
+    raise ValueError(f"MiCSStrategy option {option}={value!r} is invalid: {message}.")
+
+
+def plan_groups(root: nn.Module, names: Sequence, group_size: int) -> List[List[nn.Module]]:
+    """Groups of ``group_size`` consecutive sibling instances of the named classes, in module order."""
+    classes = resolve_classes(names, "activation_checkpointing")
+    runs: List[List[nn.Module]] = []
+    for parent in root.modules():
+        run: List[nn.Module] = []
+        for child in parent.children():
+            if isinstance(child, classes) and not any(child is m for r in runs for m in r):
+                run.append(child)
+            elif run:
+                runs.append(run)
+                run = []
+        if run:
+            runs.append(run)
+    if not runs:
+        _fail("activation_checkpointing", list(names),
+              f"the model ({type(root).__name__}) contains no instance of {[c.__name__ for c in classes]}")
+    shortest = min(len(r) for r in runs)
+    if group_size > shortest:
+        _fail("checkpoint_group_size", group_size,
+              f"at most {shortest}: the shortest run of consecutive {[c.__name__ for c in classes]} modules "
+              f"has {shortest} (allowed: 1..{shortest})")
+    groups = []
+    for run in runs:
+        for i in range(0, len(run), group_size):
+            groups.append(run[i:i + group_size])
+    return groups
+
+
+class _HostCopy:
+    """A segment input kept in host memory ([Note: activation offload])."""
+
+    def __init__(self, t: Tensor, stream: Optional[Any]) -> None:
+        self.device, self.requires_grad = t.device, t.requires_grad
+        self.event = self.back = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(stream):
+                self.host.copy_(t.detach(), non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+            t.record_stream(stream)  # the device tensor stays valid until the copy is done
+        else:
+            self.host = t.detach().clone()
+
+    def prefetch(self, stream: Optional[Any]) -> None:
+        if self.device.type == "cuda" and self.back is None:
+            with torch.cuda.stream(stream):
+                stream.wait_event(self.event)
+                self.back = self.host.to(self.device, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(stream)
+
+    def restore(self, stream: Optional[Any]) -> Tensor:
+        if self.device.type == "cuda":
+            self.prefetch(stream)
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            t, self.back = self.back, None
+            t.record_stream(torch.cuda.current_stream(self.device))
+        else:
+            t = self.host
+        return t.detach().requires_grad_(self.requires_grad)
+
+
+class _Segment:
+    """One group: the blocks, what each got in forward, and the open checkpoint while forward is inside it."""
+
+    def __init__(self, blocks: List[nn.Module]) -> None:
+        self.blocks = blocks
+        self.calls: List[Tuple[tuple, dict]] = []
+        self.outputs: List[Any] = []
+        self.gen = None
+        self.host: List[_HostCopy] = []
+
+
+class ActivationCheckpointing:
+    """Installs the segments' hooks on the blocks ([Note: grouped checkpointing])."""
+
+    def __init__(self, groups: List[List[nn.Module]], offload: bool, log: Any) -> None:
+        self.groups = groups
+        self.offload, self.log = offload, log
+        self.stream = None
+        self._handles: List[Any] = []
+        for blocks in self.groups:
+            seg = _Segment(blocks)
+            for j, block in enumerate(blocks):
+                self._handles.append(block.register_forward_pre_hook(self._pre(seg, j), with_kwargs=True,
+                                                                     prepend=True))
+                self._handles.append(block.register_forward_hook(self._post(seg, j), with_kwargs=True,
+                                                                 always_call=True))
+
+    @staticmethod
+    def _replaying() -> bool:
+        return torch._C._current_graph_task_id() != -1
+
+    def _pre(self, seg: _Segment, j: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self._replaying() or not torch.is_grad_enabled():
+                return
+            if j == 0:
+                seg.calls, seg.outputs = [], []
+                self._enter(seg, args, kwargs)
+            elif seg.gen is not None and not (args and args[0] is seg.outputs[-1]):
+                seg.gen.close()
+                seg.gen = None
+                raise ValueError(
+                    f"MiCSStrategy option checkpoint_group_size: grouped checkpointing replays a group block by "
+                    f"block, feeding each block the previous one's output; {type(module).__name__} (block {j} of "
+                    f"its group) got another first input. Use checkpoint_group_size=1 for this model.")
+            seg.calls.append((args, kwargs))
+        return hook
+
+    def _post(self, seg: _Segment, j: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if self._replaying() or seg.gen is None:
+                return
+            seg.outputs.append(output)
+            if output is None:  # the forward raised: leave the checkpoint's context
+                seg.gen.close()
+                seg.gen = None
+            elif j == len(seg.blocks) - 1:
+                next(seg.gen, None)
+                seg.gen = None
+                seg.calls, seg.outputs = [], []  # the replay uses what it was given on entry
+                if self.offload and isinstance(output, Tensor) and output.requires_grad:
+                    output.register_hook(lambda g, seg=seg: self._prefetch(seg, g))
+        return hook
+
+    def _enter(self, seg: _Segment, args: tuple, kwargs: dict) -> None:
+        calls, blocks = seg.calls, seg.blocks  # calls: filled by the blocks' pre-hooks as forward goes through
+        host: List[Optional[_HostCopy]] = [None] * len(args)
+        saved = list(args)
+        if self.offload:  # [Note: activation offload]: the checkpoint keeps host copies of the inputs
+            for i, a in enumerate(args):
+                if isinstance(a, Tensor) and a.is_floating_point():
+                    if a.is_cuda and self.stream is None:
+                        self.stream = torch.cuda.Stream(a.device)
+                    host[i] = _HostCopy(a, self.stream)
+                    saved[i] = host[i].host.detach().requires_grad_(a.requires_grad)
+                    self.log.offloaded(a.numel() * a.element_size())
+        seg.host = [h for h in host if h is not None]
+
+        def replay(*inputs, **kw):
+            inputs = tuple(h.restore(self.stream) if h is not None else x for h, x in zip(host, inputs))
+            out = blocks[0](*inputs, **kw)
+            for block, (a, k) in zip(blocks[1:], calls[1:]):
+                out = block(out, *a[1:], **k)
+            return out
+
+        seg.gen = _checkpoint_without_reentrant_generator(
+            replay, True, noop_context_fn, "default", False, True, *saved, **kwargs)
+        next(seg.gen)
+
+    def _prefetch(self, seg: _Segment, grad: Tensor) -> Tensor:
+        for h in seg.host:
+            h.prefetch(self.stream)
+        return grad
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,116 @@
+"""Gradients of replicated parameters: bucketed world all-reduce, overlapped with backward, as DDP does.
+
+[Note: replicated gradients]
+Parameters below ``param_persistence_threshold`` (and every parameter when s == 1) are whole on every rank;
+autograd accumulates their local gradient into the plain twin's ``.grad`` over the micro-batches of a window.
+In the boundary micro-batch's backward, a parameter is *ready* when its post-accumulate-grad hook fires.
+Buckets are fixed runs of the trainable replicated parameters in reverse registration order (roughly the
+order backward produces them), of at most ``min(reduce_bucket_size, DDP's 25 MiB)``; bucket k is all-reduced
+(async, world group, pre-scaled by 1/W) as soon as all its parameters are ready and buckets 0..k-1 have gone,
+so every rank issues the same collectives in the same order. The last bucket also carries one flag per
+trainable parameter of the whole model (did this rank produce a gradient in the window?) and goes at the end of
+backward, when every flag is known; a parameter no rank produced a gradient for keeps ``grad=None``, as in one
+plain process. After the wait, each summed gradient is added to the DTensor parameter's ``.grad`` (set where
+it is None).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mics import collectives as C
+from lightning_mics.placement import ReplicatedParam, local
+from lightning_mics.telemetry import CommLog
+
+DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
+
+
+class _Launched(NamedTuple):
+    params: List[ReplicatedParam]
+    buf: Tensor
+    n_flags: int  # flags at the end of buf: one per parameter of the bucket, then the extra ones
+    work: Optional[dist.Work]
+
+
+class ReplicatedReducer:
+    def __init__(self, params: List[ReplicatedParam], group: Optional[dist.ProcessGroup], world_size: int,
+                 bucket_numel: int, device: torch.device, log: CommLog) -> None:
+        self.params = list(reversed(params))  # [Note: replicated gradients]
+        self.group, self.world_size, self.device, self.log = group, world_size, device, log
+        self.bucket_numel = max(1, min(bucket_numel, DDP_BUCKET_BYTES // 4))
+        self._layouts: Dict[Tuple[bool, ...], List[List[ReplicatedParam]]] = {}
+        self._buckets: Optional[List[List[ReplicatedParam]]] = None  # this pass's layout
+        self._ready: set = set()
+        self._launched: List[_Launched] = []
+
+    def _layout(self) -> List[List[ReplicatedParam]]:
+        key = tuple(rp.requires_grad for rp in self.params)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout, cur, n = [], [], 0
+            for rp in (rp for rp in self.params if rp.requires_grad):
+                if cur and n + rp.local.numel() > self.bucket_numel:
+                    layout.append(cur)
+                    cur, n = [], 0
+                cur.append(rp)
+                n += rp.local.numel()
+            layout.append(cur)  # the last bucket exists even when empty: it carries the flags
+            self._layouts[key] = layout
+        return layout
+
+    def on_ready(self, rp: ReplicatedParam) -> None:
+        """Post-accumulate-grad hook of a replicated parameter, in the boundary backward."""
+        if self._buckets is None:
+            self._buckets = self._layout()
+        self._ready.add(id(rp))
+        while len(self._launched) < len(self._buckets) - 1:  # the last bucket waits for the end of backward
+            bucket = self._buckets[len(self._launched)]
+            if not all(id(p) in self._ready for p in bucket):
+                break
+            self._launch(bucket, None)
+
+    def _launch(self, bucket: List[ReplicatedParam], extra_flags: Optional[Tensor]) -> None:
+        parts = [(rp.full.grad if rp.full.grad is not None else torch.zeros_like(rp.full)).reshape(-1).float()
+                 for rp in bucket]
+        flags = torch.tensor([rp.full.grad is not None for rp in bucket], dtype=torch.float32)
+        if extra_flags is not None:
+            flags = torch.cat([flags, extra_flags.float()])
+        buf = torch.cat(parts + [flags.to(self.device)])
+        work = None
+        if self.world_size > 1:
+            buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
+            work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name="world")
+        self._launched.append(_Launched(bucket, buf, flags.numel(), work))
+
+    def finish(self, extra_flags: Tensor) -> Tensor:
+        """End of the boundary backward: launches what is left (the last bucket with ``extra_flags``), waits,
+        publishes the replicated gradients; returns ``extra_flags`` summed over the world."""
+        buckets = self._buckets if self._buckets is not None else self._layout()
+        for k in range(len(self._launched), len(buckets)):
+            self._launch(buckets[k], extra_flags if k == len(buckets) - 1 else None)
+        extra = torch.zeros(0)
+        for launched in self._launched:
+            C.wait(launched.work, self.log)
+            buf, nf = launched.buf, launched.n_flags
+            flags = buf[buf.numel() - nf:].cpu()
+            offset = 0
+            for k, rp in enumerate(launched.params):
+                n = rp.local.numel()
+                if flags[k] > 0:
+                    new = buf[offset:offset + n].view_as(rp.local).to(rp.local.dtype)
+                    if rp.sharded.grad is None:
+                        rp.sharded.grad = rp.wrap(new)
+                    else:
+                        local(rp.sharded.grad).add_(new)
+                rp.full.grad = None
+                offset += n
+            extra = flags[len(launched.params):]
+        self._buckets, self._ready, self._launched = None, set(), []
+        return extra
+
+    def reset(self) -> None:
+        self._buckets, self._ready, self._launched = None, set(), []

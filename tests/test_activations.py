@@ -1,0 +1,82 @@
+"""Activation memory (issue 17): grouped checkpointing and offload measured from outside the strategy, sharded
+initialization from the meta device, and the refusals. Equivalence of checkpointing and offload with one plain
+process is in test_equivalence.py (every model, every variant)."""
+
+import json
+
+import pytest
+
+from lightning_mics import MiCSStrategy
+from tests.helpers.launch import REPO, run_ranks
+
+pytestmark = pytest.mark.distributed
+SCRIPTS = REPO / "tests" / "scripts"
+GPT_BLOCK = "lightning_mics.app.models.gpt.Block"
+
+
+def test_checkpointing_recomputes_and_keeps_fewer_bytes(tmp_path):
+    """A 4-block GPT, 2 ranks: bytes autograd keeps for backward, counted by the step's own saved-tensor hooks,
+    and forward-only ops (gelu) that run inside backward, counted by a dispatch mode. Off: no recomputation;
+    one block per group: each block replayed, fewer bytes kept; two per group: fewer still."""
+    variants = [{"s": 2}, {"s": 2, "activation_checkpointing": [GPT_BLOCK]},
+                {"s": 2, "activation_checkpointing": [GPT_BLOCK], "checkpoint_group_size": 2}]
+    res = run_ranks(SCRIPTS / "equiv.py", 2, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count", "--measure",
+                                             "--variants", json.dumps(variants)], tmp_path)
+    for r in res:
+        off, group1, group2 = r["variants"]
+        assert off["replayed_forward_ops"] == [0, 0]
+        assert group1["replayed_forward_ops"] == group2["replayed_forward_ops"] == [4, 4]  # one gelu per block
+        for a, b, c in zip(off["kept_bytes"], group1["kept_bytes"], group2["kept_bytes"]):
+            assert c < b < a / 4, (a, b, c)
+    for v in res[0]["variants"]:  # and each trains as one plain process does
+        assert all(e["max_abs"] <= 1e-7 + 1e-5 * e["ref_max"] for e in v["errors"].values())
+
+
+def test_strategy_reports_bytes_saved_and_offloaded(tmp_path):
+    """Telemetry per optimizer step: bytes saved for backward (fewer with checkpointing) and bytes offloaded."""
+    variants = [{"s": 2}, {"s": 2, "activation_checkpointing": [GPT_BLOCK], "checkpoint_group_size": 2,
+                           "activation_offload": True}]
+    res = run_ranks(SCRIPTS / "equiv.py", 2, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count",
+                                             "--variants", json.dumps(variants)], tmp_path)
+    for r in res:
+        off, offload = (v["stats"][-1] for v in r["variants"])
+        assert 0 < offload["mem/saved_for_backward_bytes"] < off["mem/saved_for_backward_bytes"]
+        assert off["mem/offloaded_bytes"] == 0 < offload["mem/offloaded_bytes"]
+
+
+@pytest.mark.parametrize("where", ["configure_model", "init_module"])
+def test_meta_device_model_is_materialized_as_shards(tmp_path, where):
+    """Built on the meta device (in configure_model, or under trainer.init_module(empty_init=True)): during
+    setup no rank allocates more than its (padded) 1/s of the model plus one unit, measured with the profiler's
+    memory events, which is less than the whole model; the initial values equal the same model built on a real
+    device with the same seed; training equals one plain process."""
+    res = run_ranks(SCRIPTS / "meta_init.py", 2, ["--where", where], tmp_path)
+    ref = res[0]
+    assert ref["meta_before"]
+    assert ref["init_max_abs"] == 0.0
+    assert ref["trained_max_abs"] <= 1e-5 * ref["trained_ref_max"]
+    for r in res:
+        # 16 KiB: what Lightning and c10d allocate around setup besides the model
+        assert r["setup_peak"] <= ref["shard_bytes"] + ref["unit_bytes"] + 16 * 1024, (r, ref)
+        assert r["setup_peak"] < ref["full_bytes"]
+
+
+def test_unknown_class_is_refused_when_the_strategy_is_made():
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        MiCSStrategy(activation_checkpointing=["no.such.Block"])
+
+
+@pytest.mark.parametrize("options, option", [
+    ({"activation_checkpointing": ["torch.nn.TransformerEncoderLayer"]}, "activation_checkpointing"),
+    ({"activation_checkpointing": ["tests.scripts.compat.Block"], "checkpoint_group_size": 3},
+     "checkpoint_group_size"),
+])
+def test_checkpointing_that_cannot_apply_is_refused_on_every_rank(tmp_path, options, option):
+    """A class the model does not contain; a group larger than the run of consecutive blocks (2): every rank
+    raises the same ValueError naming the option, at setup, and nobody hangs."""
+    res = run_ranks(SCRIPTS / "bad_setup.py", 2, ["--strategy", json.dumps(dict(options, param_persistence_threshold=0))],
+                    tmp_path, timeout=120)
+    errors = {r["error"] for r in res}
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    assert error is not None and error.startswith("ValueError") and f"option {option}=" in error, error
