@@ -1,55 +1,62 @@
 """Gradient-norm clipping over sharded gradients.
 
 Each rank of a shard group holds a different slice of every sharded gradient, and after the replica
-all-reduce every replica holds the same slices, so the squared norm is summed over the *shard group only*.
-Replicated (small) parameters hold the same whole gradient on every rank: counted once, locally. Which is
-which is read from the gradient's placement ([Note: placement] in placement.py): a DTensor with a Shard
-placement holds a slice; anything else is whole. The result equals ``torch.nn.utils.clip_grad_norm_`` on the
-unsharded model.
+all-reduce every replica holds the same slices, so a sharded gradient's squared norm is summed over the
+*shard group only*. Replicated (small) parameters hold the same whole gradient on every rank: counted once,
+locally. With tensor parallelism a gradient can also be a slice over the "tp" axis. Which is which is read
+from the gradient's placement ([Note: placement] in placement.py): gradients are grouped by the mesh
+dimensions over which they are slices, and each group's local sum is all-reduced over exactly those
+dimensions. The groups are the same on every rank (placements are), so every rank issues the same
+collectives. The result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Dict, Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_mics.placement import is_sharded, local
+from lightning_mics.placement import local, sharded_mesh_dims
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, shard_group: dist.ProcessGroup,
-                    shard_size: int, norm_type: float = 2.0, eps: float = 1e-6) -> Tensor:
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh: DeviceMesh,
+                    norm_type: float = 2.0, eps: float = 1e-6) -> Tensor:
     seen, grads = set(), []
     for p in params:
         if p.grad is not None and id(p) not in seen:
             seen.add(id(p))
             grads.append(p.grad)
-    sharded = [local(g) for g in grads if is_sharded(g)]
-    replicated = [local(g) for g in grads if not is_sharded(g)]
+    by_dims: Dict[Tuple[int, ...], List[Tensor]] = {}
+    for g in grads:
+        by_dims.setdefault(sharded_mesh_dims(g), []).append(local(g))
+    # every rank must see the same classes, even where it holds no gradient of one: the mesh's possible ones
+    for dims in ((1,), (1, 2), (2,)) if mesh.ndim == 3 else ((1,),):
+        by_dims.setdefault(dims, [])
     device = grads[0].device if grads else torch.device("cpu")
     norm_type = float(norm_type)
+    inf = norm_type == float("inf")
 
-    def reduce_local(grads, agg):
-        if not grads:
+    def reduce_local(ts: List[Tensor]) -> Tensor:
+        if not ts:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norms = torch._foreach_norm([g.float() for g in grads], norm_type)
-        return agg(torch.stack(norms))
+        norms = torch.stack(torch._foreach_norm([t.float() for t in ts], norm_type))
+        return norms.max() if inf else (norms ** norm_type).sum()
 
-    if norm_type == float("inf"):
-        shard_part = reduce_local(sharded, torch.max)
-        if shard_size > 1:
-            dist.all_reduce(shard_part, op=dist.ReduceOp.MAX, group=shard_group)
-        total = torch.maximum(shard_part, reduce_local(replicated, torch.max))
-    else:
-        shard_part = reduce_local(sharded, lambda n: (n ** norm_type).sum())
-        if shard_size > 1:
-            dist.all_reduce(shard_part, op=dist.ReduceOp.SUM, group=shard_group)
-        total = (shard_part + reduce_local(replicated, lambda n: (n ** norm_type).sum())) ** (1.0 / norm_type)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for dims in sorted(by_dims):
+        part = reduce_local(by_dims[dims])
+        for d in dims:
+            if mesh.size(d) > 1:
+                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
+        total = torch.maximum(total, part) if inf else total + part
+    if not inf:
+        total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
-    grads = sharded + replicated
-    if grads:
-        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    flat = [t for ts in by_dims.values() for t in ts]
+    if flat:
+        torch._foreach_mul_(flat, coef.to(flat[0].device))
     return total

@@ -191,3 +191,18 @@ def gather_flat(shard: Tensor, group: dist.ProcessGroup, group_size: int, dst: i
 def copy_out(gathered: Tensor, fulls: List[Tensor], group_size: int, kernels: str = "auto") -> None:
     """Writes an ``(s, S)`` all-gather output into unpadded full tensors (inverse of ``chunk_cat``)."""
     triton_kernels.chunk_split(gathered, fulls, group_size, backend=kernels)
+
+
+def all_gather_batch(batch: object, group: dist.ProcessGroup, group_size: int) -> object:
+    """Every tensor of a batch (any nesting) concatenated on dim 0 over ``group``, in rank order: the
+    tensor-parallel ranks' batches become one batch that all of them compute (without ``prescaled_batch``)."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    def gather(t: Tensor) -> Tensor:
+        if t.dim() == 0:
+            return t
+        out = t.new_empty((group_size * t.shape[0], *t.shape[1:]))
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+        return out
+
+    return apply_to_collection(batch, Tensor, gather)

@@ -22,6 +22,7 @@ _DTYPES = {
 }
 _KERNELS = ("auto", "triton", "torch")
 _STATE_DICT_TYPES = ("sharded", "full")
+_DEFAULT_MAX_LIVE = 1_000_000_000
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -62,8 +63,12 @@ class MiCSConfig:
     ranks_per_node: Optional[int] = None  # None: from the cluster environment
     reduce_bucket_size: int = 500_000_000
     param_persistence_threshold: int = 1_000_000
-    max_live_parameters: int = 1_000_000_000
+    max_live_parameters: int = _DEFAULT_MAX_LIVE
     prefetch: int = 1
+    reshard_after_forward: bool = True  # False: a unit stays gathered from its forward into its backward
+    shard_optimizer_state: bool = False  # with s = 1: ZeRO-1, optimizer state split over the data-parallel ranks
+    tensor_parallel_degree: int = 1  # t: a "tp" mesh axis of t contiguous ranks for the user's parallelize plan
+    prescaled_batch: bool = False  # with t > 1: each tensor-parallel group reads one batch (not one per rank)
     shard_units: Optional[List[str]] = None
     activation_checkpointing: Optional[List[str]] = None
     checkpoint_group_size: int = 1
@@ -86,6 +91,34 @@ class MiCSConfig:
         self.max_live_parameters = _int_like("max_live_parameters", self.max_live_parameters, 1)
         self.prefetch = _int_like("prefetch", self.prefetch, 0)
         self.checkpoint_group_size = _int_like("checkpoint_group_size", self.checkpoint_group_size, 1)
+        self.tensor_parallel_degree = _int_like("tensor_parallel_degree", self.tensor_parallel_degree, 1)
+        for name in ("reshard_after_forward", "shard_optimizer_state", "prescaled_batch"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, getattr(self, name), "True or False")
+        if self.shard_optimizer_state and self.sharded_data_parallel_degree not in (None, 1):
+            _fail("shard_optimizer_state", True,
+                  f"True only with sharded_data_parallel_degree=1 (got {self.sharded_data_parallel_degree}): "
+                  "sharded data parallelism already shards the optimizer state inside each sharding group")
+        if self.shard_optimizer_state and self.max_live_parameters != _DEFAULT_MAX_LIVE:
+            _fail("max_live_parameters", self.max_live_parameters,
+                  f"the default {_DEFAULT_MAX_LIVE} with shard_optimizer_state=True: parameters stay whole on "
+                  "every rank, nothing is gathered per layer")
+        if self.shard_optimizer_state and self.shard_units is not None:
+            _fail("shard_units", self.shard_units, "None with shard_optimizer_state=True: parameters stay whole "
+                  "on every rank, no unit is ever gathered or released")
+        if self.shard_optimizer_state and self.prefetch != 1:
+            _fail("prefetch", self.prefetch, "the default 1 with shard_optimizer_state=True: nothing is gathered "
+                  "per layer, so there is nothing to prefetch")
+        if self.shard_optimizer_state and not self.reshard_after_forward:
+            _fail("reshard_after_forward", False,
+                  "True (the default) with shard_optimizer_state=True: parameters are never resharded then")
+        if self.tensor_parallel_degree > 1 and self.state_dict_type == "full":
+            _fail("state_dict_type", "full", "'sharded' with tensor_parallel_degree > 1 (the full optimizer state "
+                  "of tensor-parallel parameters is not gathered yet; lightning_module_state_dict() is)")
+        if self.tensor_parallel_degree > 1 and self.shard_optimizer_state:
+            _fail("shard_optimizer_state", True, "False with tensor_parallel_degree > 1")
+        if self.prescaled_batch and self.tensor_parallel_degree == 1:
+            _fail("prescaled_batch", True, "True only with tensor_parallel_degree > 1")
         if self.hierarchical_allgather is not None and not isinstance(self.hierarchical_allgather, bool):
             _fail("hierarchical_allgather", self.hierarchical_allgather,
                   "None (two hops when a sharding group spans whole nodes), True or False")
@@ -114,15 +147,24 @@ class MiCSConfig:
             _fail("timeout", self.timeout, "a positive number of seconds")
 
     def validate_world(self, world_size: int, ranks_per_node: int) -> int:
-        """Resolves and checks the sharding degree against the world; returns s. Call before any group."""
+        """Resolves and checks the sharding degree against the world; returns s. Call before any group.
+
+        With ``tensor_parallel_degree`` t, the data-parallel ranks number W / t and s must divide that."""
         if self.ranks_per_node is not None and world_size % self.ranks_per_node != 0:
             _fail("ranks_per_node", self.ranks_per_node, f"a divisor of the world size {world_size}")
+        t = self.tensor_parallel_degree
+        if world_size % t != 0:
+            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            _fail("tensor_parallel_degree", t, f"a divisor of the world size {world_size}: {divisors}")
+        dp = world_size // t
         s = self.sharded_data_parallel_degree
         if s is None:
-            s = min(ranks_per_node, world_size)
-        if world_size % s != 0:
-            divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-            _fail("sharded_data_parallel_degree", s, f"a divisor of the world size {world_size}: {divisors}")
+            s = 1 if self.shard_optimizer_state else max(1, min(ranks_per_node, world_size) // t)
+        if dp % s != 0:
+            divisors = [d for d in range(1, dp + 1) if dp % d == 0]
+            what = f"the world size {world_size}" if t == 1 else \
+                f"the data-parallel size {dp} (world {world_size} / tensor_parallel_degree {t})"
+            _fail("sharded_data_parallel_degree", s, f"a divisor of {what}: {divisors}")
         return s
 
     @classmethod

@@ -17,6 +17,16 @@ While a unit runs, its modules hold plain *full* parameters: for sharded ones, v
 buffer (storage freed while the unit is sharded); for replicated ones, the plain twin. Consumers (clipping,
 checkpoints, the full state dict, the optimizer-state gather) read placement from the DTensor, never from
 shapes or ids.
+
+[Note: tensor-parallel placement]
+With a "tp" mesh axis the user's plan has already made some parameters DTensors on it (ColwiseParallel:
+Shard(0), RowwiseParallel: Shard(1), ...). Sharding works on each rank's *tensor-parallel local* tensor: its
+rows are cut over the shard group exactly as above, and the full parameter the modules hold while the unit
+runs is again a DTensor on the tp mesh with the user's placement (its local tensor a view of the gathered
+buffer). The optimizer's DTensor lives on the (replicate, shard, tp) mesh with placements (Replicate(),
+Shard(0), <tp placement>); when the tp placement is Shard(0) too, rows are split by tp first and then by the
+shard group, which DTensor spells ``_StridedShard(0, split_factor=t)`` on the shard axis (as FSDP2 does). A
+plain parameter (not parallelized) is Replicate() on the tp axis.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from lightning_mics.sharding import ParamRef
@@ -43,9 +54,34 @@ def _contiguous_stride(shape: torch.Size) -> tuple:
     return tuple(reversed(stride))
 
 
-def make_spec(mesh: DeviceMesh, sharded: bool, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
-    placements = (Replicate(), Shard(0)) if sharded else (Replicate(), Replicate())
+def tp_placement(orig: Tensor) -> Optional[Placement]:
+    """The user's tensor-parallel placement of a parameter (None: a plain tensor)."""
+    if isinstance(orig, DTensor):
+        if orig.device_mesh.ndim != 1:
+            raise ValueError(f"MiCSStrategy: a parameter is a DTensor on a {orig.device_mesh.ndim}-D mesh; "
+                             "parallelize on the strategy's self.device_mesh['tp'] (a 1-D mesh) only")
+        return orig.placements[0]
+    return None
+
+
+def make_spec(mesh: DeviceMesh, sharded: bool, shape: torch.Size, dtype: torch.dtype,
+              tp: Optional[Placement] = None) -> DTensorSpec:
+    """([Note: placement], [Note: tensor-parallel placement]) ``shape`` is the global shape."""
+    dp: Placement = Shard(0) if sharded else Replicate()
+    placements: tuple = (Replicate(), dp)
+    if mesh.ndim == 3:
+        tp = tp if tp is not None else Replicate()
+        if sharded and isinstance(tp, Shard) and tp.dim == 0:
+            dp = _StridedShard(0, split_factor=mesh.size(2))
+        placements = (Replicate(), dp, tp)
+    elif tp is not None:
+        raise ValueError("MiCSStrategy: a DTensor parameter needs tensor_parallel_degree > 1")
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), _contiguous_stride(shape), dtype))
+
+
+def tp_spec_of(orig: Tensor) -> Optional[DTensorSpec]:
+    """The spec of the user's tensor-parallel DTensor parameter (None for a plain one)."""
+    return orig._spec if isinstance(orig, DTensor) else None
 
 
 def as_dtensor(local: Tensor, spec: DTensorSpec) -> DTensor:
@@ -56,9 +92,18 @@ def as_dtensor(local: Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor(local, spec, requires_grad=False)
 
 
+def _cuts(p: Placement) -> bool:
+    return p.is_shard() or isinstance(p, _StridedShard)
+
+
 def is_sharded(t: Tensor) -> bool:
     """True for a DTensor with a Shard placement (its local tensor is a slice of the whole)."""
-    return isinstance(t, DTensor) and any(p.is_shard() for p in t.placements)
+    return isinstance(t, DTensor) and any(_cuts(p) for p in t.placements)
+
+
+def sharded_mesh_dims(t: Tensor) -> tuple:
+    """The mesh dimensions over which a DTensor's local tensor is a slice (() for a plain tensor)."""
+    return tuple(i for i, p in enumerate(t.placements) if _cuts(p)) if isinstance(t, DTensor) else ()
 
 
 def local(t: Tensor) -> Tensor:
@@ -103,15 +148,16 @@ class ShardedParam:
                  flat_shard: Tensor, offset: int) -> None:
         self.index, self.refs = index, refs
         self.fqn = refs[0].fqn
-        self.shape = orig.shape
+        self.tp_spec = tp_spec_of(orig)  # [Note: tensor-parallel placement]
+        self.shape = local(orig).shape  # of the full parameter on this rank (its tensor-parallel local part)
         self.rows = rows
         self.offset = offset  # start of the padded region in the unit's flat shard
-        self.spec = make_spec(mesh, True, orig.shape, flat_shard.dtype)
-        region = flat_shard[offset:offset + rows.padded_numel].view(rows.chunk, *orig.shape[1:])
+        self.spec = make_spec(mesh, True, orig.shape, flat_shard.dtype, tp_placement(orig))
+        region = flat_shard[offset:offset + rows.padded_numel].view(rows.chunk, *self.shape[1:])
         self.padded = region  # (c, *rest); rows past local_rows stay zero
         self.local = region[: rows.local_rows]
         self.sharded = nn.Parameter(as_dtensor(self.local, self.spec), requires_grad=orig.requires_grad)
-        self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer)
+        self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer): make_full
         self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
 
     @property
@@ -126,6 +172,12 @@ class ShardedParam:
     def local_rows_of(self, full: Tensor) -> Tensor:
         return full[self.rows.lo:self.rows.hi]
 
+    def make_full(self, view: Tensor) -> nn.Parameter:
+        """The Parameter the modules hold while the unit runs: ``view`` itself, or with tensor parallelism a
+        DTensor over it with the user's placement."""
+        data = as_dtensor(view, self.tp_spec) if self.tp_spec is not None else view
+        return nn.Parameter(data, requires_grad=self.requires_grad)
+
     def wrap(self, local_tensor: Tensor) -> DTensor:
         """A gradient or optimizer-state tensor of the local shape as a DTensor of this parameter's spec."""
         return as_dtensor(local_tensor, self.spec)
@@ -138,17 +190,19 @@ class ReplicatedParam:
                  device: torch.device) -> None:
         self.index, self.refs = index, refs
         self.fqn = refs[0].fqn
-        self.shape = orig.shape
+        self.tp_spec = tp_spec_of(orig)
         self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
-        data = orig.detach()
+        data = local(orig).detach()
+        self.shape = data.shape
         if data.is_meta:
-            data = torch.empty(orig.shape, dtype=orig.dtype, device=device)
+            data = torch.empty(data.shape, dtype=orig.dtype, device=device)
         elif data.device != device:
             data = data.to(device)
-        self.spec = make_spec(mesh, False, orig.shape, data.dtype)
+        self.spec = make_spec(mesh, False, orig.shape, data.dtype, tp_placement(orig))
         self.local = data
         self.sharded = nn.Parameter(as_dtensor(data, self.spec), requires_grad=orig.requires_grad)
-        self.full = nn.Parameter(data, requires_grad=orig.requires_grad)
+        self.full = nn.Parameter(as_dtensor(data, self.tp_spec) if self.tp_spec is not None else data,
+                                 requires_grad=orig.requires_grad)
 
     @property
     def requires_grad(self) -> bool:

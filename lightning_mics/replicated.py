@@ -38,9 +38,10 @@ class _Launched(NamedTuple):
 
 class ReplicatedReducer:
     def __init__(self, params: List[ReplicatedParam], group: Optional[dist.ProcessGroup], world_size: int,
-                 bucket_numel: int, device: torch.device, log: CommLog) -> None:
+                 bucket_numel: int, device: torch.device, log: CommLog, group_name: str = "world") -> None:
         self.params = list(reversed(params))  # [Note: replicated gradients]
         self.group, self.world_size, self.device, self.log = group, world_size, device, log
+        self.group_name = group_name
         self.bucket_numel = max(1, min(bucket_numel, DDP_BUCKET_BYTES // 4))
         self._layouts: Dict[Tuple[bool, ...], List[List[ReplicatedParam]]] = {}
         self._buckets: Optional[List[List[ReplicatedParam]]] = None  # this pass's layout
@@ -74,7 +75,7 @@ class ReplicatedReducer:
             self._launch(bucket, None)
 
     def _launch(self, bucket: List[ReplicatedParam], extra_flags: Optional[Tensor]) -> None:
-        parts = [(rp.full.grad if rp.full.grad is not None else torch.zeros_like(rp.full)).reshape(-1).float()
+        parts = [(local(rp.full.grad) if rp.full.grad is not None else torch.zeros_like(rp.local)).reshape(-1).float()
                  for rp in bucket]
         flags = torch.tensor([rp.full.grad is not None for rp in bucket], dtype=torch.float32)
         if extra_flags is not None:
@@ -83,7 +84,7 @@ class ReplicatedReducer:
         work = None
         if self.world_size > 1:
             buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
-            work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name="world")
+            work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
         self._launched.append(_Launched(bucket, buf, flags.numel(), work))
 
     def finish(self, extra_flags: Tensor) -> Tensor:

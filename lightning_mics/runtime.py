@@ -29,6 +29,16 @@ hook and neither counts nor releases. Manual optimization runs backward and ``op
 root's forward: the end-of-backward callback reduces the root without releasing it (depth > 0), and the
 post-step hook refreshes it.
 
+[Note: optimizer-state-only sharding]
+``shard_optimizer_state=True`` with s = 1 (SageMaker's optimizer state sharding, ZeRO stage 1) is the same
+machinery with the placement spread over the whole data-parallel group: the layout's shard group is all W
+ranks, and one unit (the root) owns every parameter and is *pinned*: gathered at its first forward and kept,
+so parameters and gradients stay whole on every rank and no forward or backward gathers anything. Its full
+gradients accumulate locally over the micro-batches of a window; at the boundary they are reduce-scattered
+once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor shards, with 1/W of the optimizer
+state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. Only a
+state dict or a save unpins (``quiesce``); the next forward gathers again.
+
 [Note: version counters]
 Autograd saves the full parameters for backward. Between forward and backward their storage is freed and then
 refilled by the re-gather, an in-place write that would bump the version counter and make autograd refuse the
@@ -47,12 +57,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_mics import collectives as C
 from lightning_mics.activations import ActivationCheckpointing, plan_groups
 from lightning_mics.materialize import has_meta, materialize
-from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
+from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, as_dtensor, local
 from lightning_mics.replicated import ReplicatedReducer
 from lightning_mics.schedule import Schedule
 from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
@@ -102,6 +113,7 @@ class Unit:
         self.topo, self.kernels, self.log = topo, kernels, log
         self.s = topo.layout.shard_size
         self.world_size = topo.layout.world_size
+        self.dp_size = topo.layout.dp_size  # gradients average over the data-parallel ranks (W / t)
         self.bucket_size = bucket_size
         self.nodes = nodes  # two-hop all-gather groups, or None: flat
         dtypes = {pp.param.dtype for pp in plan.params}
@@ -114,8 +126,8 @@ class Unit:
         self.device = device
 
         # Sharded parameters: padded regions of one flat shard (the optimizer's DTensors are views into it).
-        rows = [Rows(pp.param.shape[0], pp.param[0].numel() if pp.param.shape[0] else 0, self.s, topo.shard_rank)
-                for pp in plan.params]
+        tp_locals = [local(pp.param) for pp in plan.params]  # [Note: tensor-parallel placement] in placement.py
+        rows = [Rows(t.shape[0], t[0].numel() if t.shape[0] else 0, self.s, topo.shard_rank) for t in tp_locals]
         offsets = [0]
         for r in rows:
             offsets.append(offsets[-1] + r.padded_numel)
@@ -124,7 +136,7 @@ class Unit:
         for i, (pp, r) in enumerate(zip(plan.params, rows)):
             sp = ShardedParam(i, pp.refs, pp.param, topo.mesh, r, self.shard_flat, offsets[i])
             if not sp.meta:
-                sp.copy_rows_from_full(pp.param.detach())
+                sp.copy_rows_from_full(tp_locals[i].detach())
             self.params.append(sp)
 
         # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
@@ -137,7 +149,7 @@ class Unit:
         for sp, n in zip(self.params, numels):
             view = self.full_flat[start:start + n].view(sp.shape)
             self.full_views.append(view)
-            sp.full = nn.Parameter(view, requires_grad=sp.requires_grad)
+            sp.full = sp.make_full(view)
             start += n
         self.full_flat.untyped_storage().resize_(0)
 
@@ -147,6 +159,7 @@ class Unit:
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.is_prefetched = False  # issued by the schedule, not yet run
+        self.pinned = False  # gathered once and kept ([Note: optimizer-state-only sharding])
         self.depth = 0  # nested forward calls in progress
         self.pending_post_backward = 0  # forward calls whose post-backward has not fired
         self.registered_post_backward = 0  # forward calls (this iteration) that hooked their inputs
@@ -228,9 +241,10 @@ class Unit:
         return C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
                                  async_op=async_op, log=self.log, kernels=self.kernels)
 
-    def release(self) -> None:
-        """-> SHARDED: the DTensors go back into the modules and the full storage is freed."""
-        if self.state is ShardedState.SHARDED:
+    def release(self, force: bool = False) -> None:
+        """-> SHARDED: the DTensors go back into the modules and the full storage is freed. A pinned unit
+        stays gathered unless ``force``."""
+        if self.state is ShardedState.SHARDED or (self.pinned and not force):
             return
         if self._gather is not None:  # a prefetch never used: its first hop is waited, no second hop (alike
             C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)
@@ -308,14 +322,14 @@ class Unit:
             for bucket in self.buckets(slots):
                 grads = []
                 for i in bucket.slots:
-                    g = self.params[i].full.grad
+                    g = _local_grad(self.params[i])
                     if g is None:
                         g = torch.zeros(self.params[i].shape, dtype=self.param_dtype, device=self.device)
                     else:
                         self.got_grad[i] = True
                     grads.append(g)
                 res = C.reduce_scatter_grads(grads, self.topo.shard_group, self.s, dtype=self.reduce_dtype,
-                                             scale=1.0 / self.world_size, async_op=True, log=self.log,
+                                             scale=1.0 / self.dp_size, async_op=True, log=self.log,
                                              kernels=self.kernels)
                 pending.append(_PendingReduce(self, bucket, res, res.output))
         for sp in self.params:
@@ -406,6 +420,17 @@ class Unit:
         return self.gather_rows([sp.local for sp in self.params], self.dtype, dst, scratch)
 
 
+def _local_grad(p: Any) -> Optional[Tensor]:
+    """The full parameter's gradient as a plain tensor: with tensor parallelism a DTensor in the parameter's
+    own placement (redistributed if autograd produced another one, e.g. a pending sum)."""
+    g = p.full.grad
+    if isinstance(g, DTensor):
+        if g.placements != p.full.placements:
+            g = g.redistribute(g.device_mesh, p.full.placements)
+        return g._local_tensor
+    return g
+
+
 class Scratch:
     """One reusable 1-D buffer per dtype, grown to the largest request."""
 
@@ -441,7 +466,8 @@ class MiCSEngine:
                  reduce_dtype: torch.dtype, kernels: str, device: torch.device, prefetch: int = 1,
                  max_live_parameters: int = 10 ** 18, hierarchical: bool = False,
                  activation_checkpointing: Optional[Sequence] = None, checkpoint_group_size: int = 1,
-                 activation_offload: bool = False, keep_for_backward: bool = True) -> None:
+                 activation_offload: bool = False, keep_for_backward: bool = True,
+                 reshard_after_forward: bool = True, optimizer_state_only: bool = False) -> None:
         self.root, self.topo, self.kernels = root, topo, kernels
         self.options = dict(shard_units=shard_units, persistence_threshold=persistence_threshold,
                             bucket_size=bucket_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
@@ -449,10 +475,13 @@ class MiCSEngine:
                             max_live_parameters=max_live_parameters, hierarchical=hierarchical,
                             activation_checkpointing=activation_checkpointing,
                             checkpoint_group_size=checkpoint_group_size, activation_offload=activation_offload,
-                            keep_for_backward=keep_for_backward)
+                            keep_for_backward=keep_for_backward, reshard_after_forward=reshard_after_forward,
+                            optimizer_state_only=optimizer_state_only)
         self.world_size = topo.layout.world_size
         self.log = CommLog()
-        classes = resolve_classes(shard_units, "shard_units")
+        self.optimizer_state_only = optimizer_state_only
+        # [Note: optimizer-state-only sharding]: one unit (the root) holds every parameter
+        classes = () if optimizer_state_only else resolve_classes(shard_units, "shard_units")
         groups = plan_groups(root, activation_checkpointing, checkpoint_group_size) \
             if activation_checkpointing else None  # validated before anything changes in the module
         plan = plan_sharding(root, classes, persistence_threshold, topo.layout.shard_size)
@@ -460,14 +489,18 @@ class MiCSEngine:
         nodes = topo.node_groups() if hierarchical else None
         self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_size=bucket_size,
                            kernels=kernels, log=self.log, device=device, nodes=nodes) for up in plan.units]
+        for unit in self.units:
+            unit.pinned = optimizer_state_only
         self.device = device
         by_param = {id(rp.full): rp for u in self.units for rp in u.replicated}
         order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
-        self.reducer = ReplicatedReducer(order, topo.world_group, self.world_size, bucket_size, device, self.log)
+        self.reducer = ReplicatedReducer(order, topo.dp_group, topo.layout.dp_size, bucket_size, device, self.log,
+                                         group_name="world" if topo.layout.tp_size == 1 else "dp")
         if on_meta:  # [Note: sharded initialization] in materialize.py
             materialize(root, {(id(r.module), r.attr): p for u in self.units for p in (*u.params, *u.replicated)
                                for r in p.refs}, device)
-        self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward)
+        self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
+                                 reshard_after_forward)
         self.sync_replicas = True  # False inside Lightning's block_backward_sync (not a boundary)
         self._callback_queued = False
         self._pending_reduces: List[_PendingReduce] = []
@@ -566,7 +599,7 @@ class MiCSEngine:
             if not (grad and self.schedule.keep_after_forward(unit)):
                 unit.release()
             if unit is self.units[0] and not grad:
-                self.quiesce()  # evaluation: no backward follows, nothing prefetched may linger
+                self.quiesce(pinned=False)  # evaluation: no backward follows, nothing prefetched may linger
             if grad and output is not None:
                 flat, _ = tree_flatten(output)
                 for t in flat:
@@ -596,7 +629,7 @@ class MiCSEngine:
             # input's gradients in one node), so the unit can go. With a frozen sharded parameter an op of the
             # unit may still need it: then the end-of-backward callback reduces and releases.
             if (unit.registered_post_backward == 0 and unit.accumulated == len(unit.params)
-                    and unit.depth == 0 and unit.state is ShardedState.GATHERED):
+                    and unit.depth == 0 and unit.state is ShardedState.GATHERED and self._reduce_now()):
                 self._reduce(unit)
                 self._release_after_backward(unit)
                 unit.training_state = TrainingState.POST_BACKWARD
@@ -611,7 +644,7 @@ class MiCSEngine:
         unit.pending_post_backward -= 1
         if unit.pending_post_backward > 0:
             return
-        if unit.needs_reduce:
+        if unit.needs_reduce and self._reduce_now():
             self._reduce(unit)
         self._release_after_backward(unit)
         unit.training_state = TrainingState.POST_BACKWARD
@@ -622,6 +655,11 @@ class MiCSEngine:
         if unit is self.units[0] and not self.sync_replicas and self.schedule.keep_for_backward:
             return  # [Note: keep for backward]: the next micro-batch of this window needs the root first
         unit.release()
+
+    def _reduce_now(self) -> bool:
+        """Reduce-scatter every micro-batch, except with optimizer-state-only sharding: there the full
+        gradients accumulate locally and are reduce-scattered once, at the accumulation boundary."""
+        return self.sync_replicas or not self.optimizer_state_only
 
     def _reduce(self, unit: Unit) -> None:
         self._pending_reduces.extend(unit.issue_reduce())
@@ -642,7 +680,7 @@ class MiCSEngine:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         for unit in reversed(self.units):  # same order on every rank
-            if unit.needs_reduce:
+            if unit.needs_reduce and self._reduce_now():
                 self._reduce(unit)
             self._release_after_backward(unit)
             unit.pending_post_backward = unit.registered_post_backward = unit.accumulated = 0
@@ -660,17 +698,18 @@ class MiCSEngine:
             unit.pending_post_backward = unit.registered_post_backward = unit.accumulated = 0
         self.schedule.begin_iteration()
 
-    def quiesce(self) -> None:
+    def quiesce(self, pinned: bool = True) -> None:
         """Releases every unit that is not running (waiting for its prefetch): before a state dict or a save,
-        so the modules hold their DTensor masters, and after a pass without grad, so no gather lingers."""
+        so the modules hold their DTensor masters, and after a pass without grad, so no gather lingers
+        (``pinned=False``: pinned units stay, as between training steps)."""
         for unit in self.units:
             if not unit.in_use:
-                unit.release()
+                unit.release(force=pinned)
 
     def after_optimizer_step(self) -> None:
         """Post-step hook of every optimizer: units still in use get the new values; idle ones are released."""
         for unit in self.units:
-            if unit.state is ShardedState.GATHERED and unit.depth > 0:
+            if unit.state is ShardedState.GATHERED and (unit.depth > 0 or unit.pinned):
                 unit.refresh()
             else:
                 unit.release()
@@ -698,18 +737,22 @@ class MiCSEngine:
         self.quiesce()
         rank = dist.get_rank()
         keep = dst is None or rank == dst
+        tp = self.topo.layout.tp_size > 1  # every rank takes part: tensor-parallel parts are gathered too
         full: Dict[int, Tensor] = {}
         scratch = Scratch()
         for unit in self.units:
-            if dst is not None and rank not in self.topo.layout.shard_group_of(dst):
+            if not tp and dst is not None and rank not in self.topo.layout.shard_group_of(dst):
                 continue  # only dst's shard group takes part
-            values = unit.gather_master(dst, scratch) if unit.params else []
-            if keep and values is not None:
+            values = unit.gather_master(None if tp else dst, scratch) if unit.params else []
+            if values is not None:
                 for sp, v in zip(unit.params, values):
-                    full[id(sp.sharded)] = full[id(sp.full)] = v.cpu()
+                    v = as_dtensor(v, sp.tp_spec).full_tensor() if sp.tp_spec is not None else v
+                    if keep:
+                        full[id(sp.sharded)] = full[id(sp.full)] = v.cpu()
             for rp in unit.replicated:
+                v = as_dtensor(rp.local, rp.tp_spec).full_tensor() if rp.tp_spec is not None else rp.local
                 if keep:
-                    full[id(rp.sharded)] = full[id(rp.full)] = rp.local.detach().cpu().clone()
+                    full[id(rp.sharded)] = full[id(rp.full)] = v.detach().cpu().clone()
         if not keep:
             return {}
         out = {}
@@ -748,7 +791,7 @@ class MiCSEngine:
         scratch = Scratch()
         with torch.no_grad():
             for unit in self.units:
-                unit.release()
+                unit.release(force=True)
                 values = unit.gather_master(None, scratch) if unit.params else []
                 for sp, v in zip(unit.params, values):
                     p = nn.Parameter(v, requires_grad=sp.requires_grad)
@@ -802,6 +845,7 @@ class MiCSEngine:
             return st.nbytes()
 
         params = sum(nbytes(u.shard_flat) for u in self.units) + sum(nbytes(rp.local) for rp in self.replicated)
+        params += sum(nbytes(u.full_flat) for u in self.units if u.pinned)  # whole on every rank, kept
         grads = 0
         for u in self.units:
             grads += nbytes(u.accum)

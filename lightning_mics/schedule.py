@@ -23,6 +23,11 @@ or after an optimizer step. Inside an accumulation window (micro-batches before 
 stays gathered from one micro-batch's backward into the next one's forward, where it is needed first: the
 parameters cannot change before the optimizer step, whose hook releases it. Kept units are idle, so the cap
 evicts them first when something must be gathered ([Note: live cap]).
+
+``reshard_after_forward=False`` keeps *every* unit gathered from its forward into its backward: one all-gather
+per unit per micro-batch instead of two, for models whose gathered parameters fit. The cap still holds: kept
+units are idle, so gathering the next unit evicts the earliest kept ones first, which are then gathered again
+in backward.
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ if TYPE_CHECKING:
 
 
 class Schedule:
-    def __init__(self, units: List["Unit"], prefetch: int, max_live: int, keep_for_backward: bool) -> None:
+    def __init__(self, units: List["Unit"], prefetch: int, max_live: int, keep_for_backward: bool,
+                 reshard_after_forward: bool = True) -> None:
         self.units = units
         self.root = units[0]
         self.prefetch = prefetch
         self.max_live = max_live
         self.keep_for_backward = keep_for_backward
+        self.reshard_after_forward = reshard_after_forward
         self.forward_order: List["Unit"] = []
         self.backward_order: List["Unit"] = []
         self._forward_seen: List["Unit"] = []
@@ -113,6 +120,8 @@ class Schedule:
 
     def keep_after_forward(self, unit: "Unit") -> bool:
         """[Note: keep for backward]."""
+        if not self.reshard_after_forward:
+            return True
         if not self.keep_for_backward:
             return False
         if unit is self.root:

@@ -8,7 +8,7 @@ the device mesh (once per strategy) -> ``setup`` shards the LightningModule, the
 ``teardown``: see [Note: after fit].
 
 [Note: after fit]
-A model whose parameters fit in ``max_live_parameters`` (elements) is made plain again at the end of every
+A model whose parameters fit in ``max_live_parameters`` (elements), without tensor parallelism, is made plain again at the end of every
 ``fit`` / ``validate`` / ``test`` / ``predict``: full parameters (gathered unit by unit from the fp32 masters)
 back in the modules, and the optimizer re-pointed at them with its consolidated state, exactly what DDP
 leaves. A larger model stays sharded, as FSDP2 leaves its
@@ -20,6 +20,7 @@ sharded the same way (without any collective: a peer may be gone), and a second 
 
 from __future__ import annotations
 
+import logging
 import weakref
 from contextlib import contextmanager
 from datetime import timedelta
@@ -53,6 +54,7 @@ from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_mics import checkpoint as ckpt
+from lightning_mics import collectives as C
 from lightning_mics import checkpoint_files as files
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSConfig, parse_dtype
@@ -64,6 +66,7 @@ from lightning_mics import topology as T
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+_log = logging.getLogger("lightning.pytorch.strategies.mics")  # shown the way Lightning's own INFO lines are
 # The engine that shards a module, kept beside it (never inside: the module stays picklable).
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDictionary()
 
@@ -103,6 +106,10 @@ class MiCSStrategy(ParallelStrategy):
         param_persistence_threshold: int = 1_000_000,
         max_live_parameters: int = 1_000_000_000,
         prefetch: int = 1,
+        reshard_after_forward: bool = True,
+        shard_optimizer_state: bool = False,
+        tensor_parallel_degree: int = 1,
+        prescaled_batch: bool = False,
         shard_units: Optional[List[Any]] = None,
         activation_checkpointing: Optional[List[Any]] = None,
         checkpoint_group_size: int = 1,
@@ -127,7 +134,9 @@ class MiCSStrategy(ParallelStrategy):
             sharded_data_parallel_degree=sharded_data_parallel_degree,
             hierarchical_allgather=hierarchical_allgather, ranks_per_node=ranks_per_node,
             reduce_bucket_size=reduce_bucket_size, param_persistence_threshold=param_persistence_threshold,
-            max_live_parameters=max_live_parameters, prefetch=prefetch, shard_units=shard_units,
+            max_live_parameters=max_live_parameters, prefetch=prefetch,
+            reshard_after_forward=reshard_after_forward, shard_optimizer_state=shard_optimizer_state,
+            tensor_parallel_degree=tensor_parallel_degree, prescaled_batch=prescaled_batch, shard_units=shard_units,
             activation_checkpointing=activation_checkpointing, checkpoint_group_size=checkpoint_group_size,
             activation_offload=activation_offload, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             kernels=kernels, state_dict_type=state_dict_type, timeout=timeout,
@@ -177,7 +186,20 @@ class MiCSStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """One sampler shard per rank; with ``prescaled_batch`` one per tensor-parallel group (its t ranks read
+        the same batch: the data-parallel rank and size)."""
+        world = self.num_nodes * self.num_processes
+        if self.config.prescaled_batch:
+            t = self.config.tensor_parallel_degree
+            return {"num_replicas": world // t, "rank": self.global_rank // t}
+        return {"num_replicas": world, "rank": self.global_rank}
+
+    @property
+    def device_mesh(self) -> Any:
+        """The DeviceMesh with axes ("replicate", "shard") or, with tensor_parallel_degree > 1,
+        ("replicate", "shard", "tp"): ``self.device_mesh["tp"]`` is what a ``configure_model`` parallelizes on
+        (as under Lightning's ModelParallelStrategy)."""
+        return self.topology.mesh
 
     @property
     def process_group_backend(self) -> Optional[str]:
@@ -230,9 +252,13 @@ class MiCSStrategy(ParallelStrategy):
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         T.release_groups_at_exit()  # [Note: groups at exit] in topology.py
-        layout = plan_layout(self.world_size, s, self._ranks_per_node())
+        # optimizer-state-only sharding places the shards over all W ranks ([Note: optimizer-state-only sharding])
+        layout = plan_layout(self.world_size, self.world_size if self.config.shard_optimizer_state else s,
+                             self._ranks_per_node(), self.config.tensor_parallel_degree)
         self._topology = build_topology(layout, self.root_device.type)
-        rank_zero_info(self._topology.describe())
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = self._topology.mesh  # LightningModule.device_mesh
+        _log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -265,7 +291,8 @@ class MiCSStrategy(ParallelStrategy):
                     kernels=cfg.kernels, device=self.root_device, prefetch=cfg.prefetch,
                     max_live_parameters=cfg.max_live_parameters, hierarchical=self._hierarchical(),
                     activation_checkpointing=cfg.activation_checkpointing,
-                    checkpoint_group_size=cfg.checkpoint_group_size, activation_offload=cfg.activation_offload)
+                    checkpoint_group_size=cfg.checkpoint_group_size, activation_offload=cfg.activation_offload,
+                    reshard_after_forward=cfg.reshard_after_forward, optimizer_state_only=cfg.shard_optimizer_state)
 
     def _hierarchical(self) -> bool:
         """Two hops whenever a shard group spans whole nodes, unless turned off; asked for where it cannot
@@ -276,7 +303,8 @@ class MiCSStrategy(ParallelStrategy):
             self._warned_flat = True
             rank_zero_warn(
                 f"MiCSStrategy(hierarchical_allgather=True): a sharding group of {layout.shard_size} ranks "
-                + ("sits inside one node" if not layout.spans_nodes else "does not span whole nodes")
+                + ("interleaves with tensor-parallel ranks" if layout.tp_size > 1 else
+                   "sits inside one node" if not layout.spans_nodes else "does not span whole nodes")
                 + f" of {layout.ranks_per_node} ranks; using the flat all-gather.")
         return layout.hierarchical_possible and wanted is not False
 
@@ -293,6 +321,16 @@ class MiCSStrategy(ParallelStrategy):
             self._engine = MiCSEngine(module, self.topology, **options)
             _ENGINES[module] = self._engine
         self.model = _MiCSModule(module)
+        self._log_model_state()
+
+    def _log_model_state(self) -> None:
+        """At start: the model-state bytes this rank will hold, against one unsharded copy."""
+        held = self.engine.model_state_bytes()["params"]
+        whole = sum(p.numel() * p.element_size() for p in self.engine.sharded_params())  # DTensor: global
+        mib = 2.0 ** 20
+        _log.info(f"[rank {self.global_rank}] MiCS model state on this rank: parameters {held / mib:.2f} MiB "
+                  f"({held / max(whole, 1):.2f}x of {whole / mib:.2f} MiB unsharded); gradients as much again "
+                  "in the master dtype, and the optimizer's state k times that (AdamW: k = 2)")
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -327,6 +365,17 @@ class MiCSStrategy(ParallelStrategy):
             return
         with torch.device("meta"), self.precision_plugin.tensor_init_context():
             yield
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """With tensor parallelism and without ``prescaled_batch``, each rank read its own batch: the t ranks
+        of a tensor-parallel group must compute on the same one, so their batches are concatenated (SageMaker's
+        behaviour; the global batch stays W x the per-rank batch)."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        t = self.config.tensor_parallel_degree
+        if t > 1 and not self.config.prescaled_batch:
+            batch = C.all_gather_batch(batch, self.topology.mesh.get_group("tp"), t)
+        return batch
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -375,8 +424,7 @@ class MiCSStrategy(ParallelStrategy):
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        return clip_grad_norm_(params, max_norm, self.topology.shard_group, self.topology.layout.shard_size,
-                               norm_type)
+        return clip_grad_norm_(params, max_norm, self.topology.mesh, norm_type)
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held by this rank."""
@@ -595,7 +643,7 @@ class MiCSStrategy(ParallelStrategy):
         self._step_hooks.clear()
         keep_sharded = False
         if self._engine is not None:
-            if self._failed or not self._fits_whole():
+            if self._failed or not self._fits_whole() or self.topology.layout.tp_size > 1:
                 self._engine.reset()  # every unit released; the module stays sharded, hooks on
                 keep_sharded = True  # and the engine stays, for checkpoints and state dicts after fit
             else:

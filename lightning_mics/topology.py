@@ -8,6 +8,13 @@ as possible and their frequent all-gathers use the fast intra-node links), and r
 nodes (``ranks_per_node`` = p < s), it splits further into an ``inter`` axis (same local rank, different
 nodes; s/p ranks) and an ``intra`` axis (one node; p ranks), used by the two-hop all-gather.
 
+With a tensor-parallel degree t (the seed's "sharded data parallelism with tensor parallelism", Example 2),
+rank = (g*s + j)*t + k: tensor-parallel groups are t *contiguous* ranks (k varies; the most frequent traffic,
+on the fastest links), and each tensor-parallel rank k has its own (replicate, shard) grid over the ranks
+with that k: the mesh is ``arange(W).view(r, s, t)`` with axes ("replicate", "shard", "tp"). Data-parallel
+ranks number W / t; every data-parallel collective (gradient reduction, replicated parameters' all-reduce)
+runs among the ranks of one k.
+
 ``plan_layout`` is pure (no processes), so the groups of any world size can be checked in a unit test;
 ``build_mesh`` turns a layout into a DeviceMesh whose named axes carry the process groups.
 """
@@ -31,10 +38,24 @@ class Layout:
     world_size: int
     shard_size: int  # s
     ranks_per_node: int  # p
+    tp_size: int = 1  # t
 
     @property
     def replicas(self) -> int:  # r
-        return self.world_size // self.shard_size
+        return self.world_size // (self.shard_size * self.tp_size)
+
+    @property
+    def dp_size(self) -> int:  # data-parallel ranks: W / t
+        return self.world_size // self.tp_size
+
+    def _grid(self) -> List[List[List[int]]]:  # [g][j][k] -> rank
+        s, t = self.shard_size, self.tp_size
+        return [[[(g * s + j) * t + k for k in range(t)] for j in range(s)] for g in range(self.replicas)]
+
+    def coords(self, rank: int) -> Tuple[int, int, int]:
+        """(replica g, shard rank j, tensor-parallel rank k) of a global rank."""
+        s, t = self.shard_size, self.tp_size
+        return rank // (s * t), (rank // t) % s, rank % t
 
     @property
     def spans_nodes(self) -> bool:
@@ -42,22 +63,35 @@ class Layout:
 
     @property
     def hierarchical_possible(self) -> bool:
-        """Two hops need whole nodes inside a shard group."""
-        return self.spans_nodes and self.shard_size % self.ranks_per_node == 0
+        """Two hops need whole nodes inside a shard group (and no tensor-parallel axis interleaved)."""
+        return self.tp_size == 1 and self.spans_nodes and self.shard_size % self.ranks_per_node == 0
 
     def shard_groups(self) -> List[List[int]]:
-        s = self.shard_size
-        return [list(range(g * s, (g + 1) * s)) for g in range(self.replicas)]
+        grid = self._grid()
+        return [[grid[g][j][k] for j in range(self.shard_size)] for g in range(self.replicas)
+                for k in range(self.tp_size)]
 
     def replica_groups(self) -> List[List[int]]:
-        s = self.shard_size
-        return [list(range(j, self.world_size, s)) for j in range(s)]
+        grid = self._grid()
+        return [[grid[g][j][k] for g in range(self.replicas)] for j in range(self.shard_size)
+                for k in range(self.tp_size)]
+
+    def tp_groups(self) -> List[List[int]]:
+        grid = self._grid()
+        return [grid[g][j] for g in range(self.replicas) for j in range(self.shard_size)]
+
+    def dp_group_of(self, rank: int) -> List[int]:
+        """The data-parallel ranks of ``rank``'s tensor-parallel rank (all W ranks when t = 1)."""
+        return list(range(rank % self.tp_size, self.world_size, self.tp_size))
 
     def shard_group_of(self, rank: int) -> List[int]:
-        return self.shard_groups()[rank // self.shard_size]
+        return next(grp for grp in self.shard_groups() if rank in grp)
 
     def replica_group_of(self, rank: int) -> List[int]:
-        return self.replica_groups()[rank % self.shard_size]
+        return next(grp for grp in self.replica_groups() if rank in grp)
+
+    def tp_group_of(self, rank: int) -> List[int]:
+        return next(grp for grp in self.tp_groups() if rank in grp)
 
     def intra_groups(self) -> List[List[int]]:
         """Ranks of one shard group on one node (the second hop of the hierarchical all-gather)."""
@@ -70,18 +104,25 @@ class Layout:
         return [list(range(g * s + l, (g + 1) * s, p)) for g in range(self.replicas) for l in range(p)]
 
 
-def plan_layout(world_size: int, shard_size: int, ranks_per_node: Optional[int] = None) -> Layout:
-    if world_size % shard_size != 0:
+def plan_layout(world_size: int, shard_size: int, ranks_per_node: Optional[int] = None, tp_size: int = 1) -> Layout:
+    if world_size % tp_size != 0:
+        raise ValueError(
+            f"MiCSStrategy option tensor_parallel_degree={tp_size} is invalid: allowed is a divisor of the world "
+            f"size {world_size}."
+        )
+    if (world_size // tp_size) % shard_size != 0:
         raise ValueError(
             f"MiCSStrategy option sharded_data_parallel_degree={shard_size} is invalid: allowed is a divisor of "
-            f"the world size {world_size}."
+            + (f"the world size {world_size}." if tp_size == 1 else
+               f"the data-parallel size {world_size // tp_size} (world {world_size} / tensor_parallel_degree "
+               f"{tp_size}).")
         )
     p = ranks_per_node or world_size
     if world_size % p != 0:
         raise ValueError(
             f"MiCSStrategy option ranks_per_node={p} is invalid: allowed is a divisor of the world size {world_size}."
         )
-    return Layout(world_size, shard_size, p)
+    return Layout(world_size, shard_size, p, tp_size)
 
 
 @dataclass
@@ -89,15 +130,16 @@ class Topology:
     """The live groups of this rank; built collectively on every rank, in the same order."""
 
     layout: Layout
-    mesh: DeviceMesh  # ("replicate", "shard")
+    mesh: DeviceMesh  # ("replicate", "shard"), or ("replicate", "shard", "tp") with a tensor-parallel degree
     node_mesh: Optional[DeviceMesh]  # ("replicate", "inter", "intra") when a shard group spans whole nodes
     rank: int
     world: Any = None  # the default group these were split from ([Note: one topology per layout])
+    dp_mesh: Optional[DeviceMesh] = None  # ("dp",): this tensor-parallel rank's data-parallel ranks (t > 1)
 
     def groups(self) -> List[dist.ProcessGroup]:
         """This rank's sub-groups (never the default group), each once."""
         out: List[dist.ProcessGroup] = []
-        meshes = [self.mesh] + ([self.node_mesh] if self.node_mesh is not None else [])
+        meshes = [m for m in (self.mesh, self.node_mesh, self.dp_mesh) if m is not None]
         for mesh in meshes:
             for name in mesh.mesh_dim_names or ():
                 pg = mesh.get_group(name)
@@ -127,19 +169,31 @@ class Topology:
         return dist.group.WORLD
 
     @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Where data-parallel averages run: the world, or with t > 1 the ranks of this tensor-parallel rank."""
+        return self.dp_mesh.get_group("dp") if self.dp_mesh is not None else dist.group.WORLD
+
+    @property
+    def tp_mesh(self) -> Optional[DeviceMesh]:
+        return self.mesh["tp"] if self.layout.tp_size > 1 else None
+
+    @property
     def shard_rank(self) -> int:
-        return self.rank % self.layout.shard_size
+        return self.layout.coords(self.rank)[1]
 
     @property
     def replica_rank(self) -> int:
-        return self.rank // self.layout.shard_size
+        return self.layout.coords(self.rank)[0]
 
     def describe(self) -> str:
         lay = self.layout
+        tp = f" t={lay.tp_size}" if lay.tp_size > 1 else ""
+        tp_group = f", tensor-parallel group {lay.tp_group_of(self.rank)}" if lay.tp_size > 1 else ""
         return (
-            f"MiCS layout: world={lay.world_size} s={lay.shard_size} r={lay.replicas} "
-            f"ranks_per_node={lay.ranks_per_node}; rank {self.rank}: shard group {lay.shard_group_of(self.rank)}, "
-            f"replica group {lay.replica_group_of(self.rank)}"
+            f"MiCS layout: world={lay.world_size} s={lay.shard_size} r={lay.replicas}{tp} "
+            f"ranks_per_node={lay.ranks_per_node}, mesh {tuple(self.mesh.mesh.shape)} {self.mesh.mesh_dim_names}; "
+            f"rank {self.rank}: shard group {lay.shard_group_of(self.rank)}, "
+            f"replica group {lay.replica_group_of(self.rank)}{tp_group}"
         )
 
 
@@ -164,9 +218,15 @@ def build_topology(layout: Layout, device_type: str) -> Topology:
     cached = _TOPOLOGIES.get(key)
     if cached is not None and cached.world is world:
         return cached
-    mesh = init_device_mesh(
-        device_type, (layout.replicas, layout.shard_size), mesh_dim_names=("replicate", "shard")
-    )
+    dp_mesh = None
+    if layout.tp_size > 1:
+        mesh = init_device_mesh(device_type, (layout.replicas, layout.shard_size, layout.tp_size),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+        dp_mesh = mesh["replicate", "shard"]._flatten("dp")
+    else:
+        mesh = init_device_mesh(
+            device_type, (layout.replicas, layout.shard_size), mesh_dim_names=("replicate", "shard")
+        )
     node_mesh = None
     if layout.hierarchical_possible:
         p = layout.ranks_per_node
@@ -175,7 +235,7 @@ def build_topology(layout: Layout, device_type: str) -> Topology:
             torch.arange(layout.world_size).view(layout.replicas, layout.shard_size // p, p),
             mesh_dim_names=("replicate", "inter", "intra"),
         )
-    topo = Topology(layout, mesh, node_mesh, rank, world)
+    topo = Topology(layout, mesh, node_mesh, rank, world, dp_mesh)
     _TOPOLOGIES[key] = topo
     return topo
 
@@ -201,7 +261,7 @@ def _clear_dtensor_caches() -> bool:
 
 
 def _drop_meshes(topo: Topology) -> None:
-    for mesh in (topo.mesh, topo.node_mesh):
+    for mesh in (topo.mesh, topo.node_mesh, topo.dp_mesh):
         while mesh is not None:  # a mesh keeps its groups alive: a gloo group's threads join when it goes
             mesh._pg_registry.clear()
             mesh = mesh._root_mesh

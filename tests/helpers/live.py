@@ -2,7 +2,9 @@
 
 Alive at a given moment: (a) the storages of the plain (non-DTensor) parameters the modules hold, except the
 masters the optimizer steps (a replicated parameter's plain twin shares its master's storage); (b) every
-all-gather output buffer that someone besides this meter still holds (``_storage_Use_Count`` > 1).
+all-gather output buffer that someone besides this meter still holds (``_storage_Use_Count`` > 1). On gloo,
+(b) includes an output for as long as the communication thread takes to drop its Work after the wait returns,
+so it varies from run to run on a loaded machine; ``peak_param_bytes`` is (a) alone.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class LiveMeter:
                         for g in o.param_groups for p in g["params"] if isinstance(p, DTensor)}
         self.pending: List[torch.UntypedStorage] = []
         self.peak_bytes = 0
+        self.peak_param_bytes = 0  # (a) alone: what the modules hold, without transient communication buffers
 
     def on_all_gather(self, output: torch.Tensor) -> None:
         self.pending.append(output.untyped_storage())
@@ -36,6 +39,7 @@ class LiveMeter:
                     continue
                 seen.add(ptr)
                 total += st.nbytes()
+        self.peak_param_bytes = max(self.peak_param_bytes, total)
         self.pending = [st for st in self.pending if torch._C._storage_Use_Count(st._cdata) > 1]
         for st in self.pending:
             if st.data_ptr() not in seen:

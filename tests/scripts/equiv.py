@@ -129,7 +129,7 @@ class CountComms(L.Callback):
 
     def __init__(self, markers=False):
         self.mode, self.per_batch, self.stats = None, [], []
-        self.markers, self.meter, self.live_peak = markers, None, 0
+        self.markers, self.meter, self.live_peak, self.live_param_peak = markers, None, 0, 0
         self.kept, self.replayed = [], []
 
     def on_train_start(self, trainer, pl_module):
@@ -154,6 +154,7 @@ class CountComms(L.Callback):
         self.replayed.append(self.mode.replayed)
         self.stats.append(dict(trainer.strategy.comm_stats))
         self.live_peak = self.meter.peak_bytes
+        self.live_param_peak = self.meter.peak_param_bytes
         self.mode = None
 
 
@@ -282,6 +283,7 @@ def run_variant(args, variant, world, rank, train, val, ref):
     result = {"state_bytes": state_bytes, "n_params": n_params,
               "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
               "comms": counter.per_batch, "stats": counter.stats, "live_peak": counter.live_peak,
+              "live_param_peak": counter.live_param_peak,
               "kept_bytes": counter.kept, "replayed_forward_ops": counter.replayed,
               "global_step": trainer.global_step}
     if rank == 0:
