@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from lightning_mics.collectives import bucket_runs
 from lightning_mics.config import MiCSConfig, parse_dtype
 from lightning_mics.placement import Rows
-from lightning_mics.plan_models import ModelSpec, ParamShape, UnitShapes, resolve
+from lightning_mics.plan.models import ModelSpec, ParamShape, UnitShapes, resolve
 from lightning_mics.precision import default_dtypes
 from lightning_mics.replicated import DDP_BUCKET_BYTES
 from lightning_mics.sharding import stays_replicated
@@ -194,49 +194,74 @@ class Plan:
         _fail("s", s, f"one of {[e.s for e in self.estimates]}")
         raise AssertionError
 
+    def unit(self) -> Tuple[str, int]:
+        """The size unit that suits this plan's figures: GiB, MiB or KiB."""
+        top = max(e.total for e in self.estimates)
+        return next((u for u in (("GiB", GiB), ("MiB", 2 ** 20)) if top >= u[1]), ("KiB", 2 ** 10))
+
     def table(self) -> str:
-        head = ("| s | t | r | model state GiB | activations GiB | gathered GiB | buffers GiB | total GiB | "
-                "intra-node GB/step | inter-node GB/step | replica GB/step | comm s/step | fits |")
+        name, div = self.unit()
+        comm_name, comm_div = ("GB", 1e9) if name == "GiB" else ("MB", 1e6)
+        head = (f"| s | t | r | model state {name} | activations {name} | gathered {name} | buffers {name} | "
+                f"total {name} | intra-node {comm_name}/step | inter-node {comm_name}/step | "
+                f"replica {comm_name}/step | comm s/step | fits |")
         lines = [head, "|" + "---|" * (head.count("|") - 1)]
         for e in self.estimates:
-            act = f"{e.activations / GiB:.2f}" if e.activations is not None else "n/a"
+            act = f"{e.activations / div:.2f}" if e.activations is not None else "n/a"
             mark = "yes" if e.fits else "no"
             if e is self.recommended:
                 mark = "**yes: recommended**"
-            lines.append(f"| {e.s} | {e.t} | {e.r} | {e.model_state['total'] / GiB:.2f} | {act} | "
-                         f"{e.gathered / GiB:.2f} | {e.buffers / GiB:.2f} | {e.total / GiB:.2f} | "
-                         + " | ".join(f"{e.link_bytes[k] / 1e9:.3f}" for k in LINKS)
-                         + f" | {e.comm_seconds:.3f} | {mark} |")
+            lines.append(f"| {e.s} | {e.t} | {e.r} | {e.model_state['total'] / div:.2f} | {act} | "
+                         f"{e.gathered / div:.2f} | {e.buffers / div:.2f} | {e.total / div:.2f} | "
+                         + " | ".join(f"{e.link_bytes[k] / comm_div:.3f}" for k in LINKS)
+                         + f" | {e.comm_seconds:.3g} | {mark} |")
         return "\n".join(lines)
 
     def explain(self) -> str:
         st, m = self.settings, self.model
+        name, div = self.unit()
+        size = lambda n: f"{n / div:.3g} {name}"  # noqa: E731
+        parts = lambda e: (f"model state {size(e.model_state['total'])} + " + (  # noqa: E731
+            f"activations {size(e.activations)}" if e.activations is not None else "activations not estimated")
+            + f" + gathered parameters and buffers {size(e.gathered + e.buffers)}")
         budget = self.estimates[0].budget
-        out = [f"{m.name}: {m.n_params / 1e9:.3g}B parameters ({m.source}); {st.nodes} node(s) x {st.gpus_per_node} "
+        count = f"{m.n_params / 1e9:.3g}B" if m.n_params >= 1e9 else f"{m.n_params / 1e6:.3g}M"
+        out = [f"{m.name}: {count} parameters ({m.source}); {st.nodes} node(s) x {st.gpus_per_node} "
                f"GPUs of {st.gpu_memory_gib:g} GiB, t={st.tensor_parallel_degree}, {st.precision}, {st.optimizer}, "
                f"sequence {st.seq_len}, micro-batch {st.micro_batch}, accumulation {st.accumulation}, "
                f"activation checkpointing {'on' if st.activation_checkpointing else 'off'}"
-               f"{' with offload' if st.activation_offload else ''}; budget {budget / GiB:.1f} GiB per GPU "
+               f"{' with offload' if st.activation_offload else ''}; budget {budget / GiB:.3g} GiB per GPU "
                f"({st.headroom:.0%} headroom)."]
         rec = self.recommended
         if rec is None:
             best = min(self.estimates, key=lambda e: e.total)
-            out.append(f"No s fits: the least memory is s={best.s} with {best.total / GiB:.1f} GiB per GPU "
-                       f"({_parts(best)}). Use more GPUs, tensor parallelism, activation checkpointing or a "
-                       "smaller micro-batch.")
+            out.append(f"No s fits: the least memory is s={best.s} with {size(best.total)} per GPU "
+                       f"({parts(best)}). Use more GPUs, tensor parallelism, activation checkpointing (and offload) "
+                       "or a smaller micro-batch.")
         else:
-            out.append(f"Recommended s={rec.s} (r={rec.r} replicas): {rec.total / GiB:.1f} GiB per GPU "
-                       f"({_parts(rec)}), {(budget - rec.total) / GiB:.1f} GiB under the budget.")
+            out.append(f"Recommended s={rec.s} (r={rec.r} replicas): {size(rec.total)} per GPU ({parts(rec)}), "
+                       f"{size(budget - rec.total)} under the budget.")
             smaller = [e for e in self.estimates if e.s < rec.s]
             if smaller:
                 e = smaller[-1]
-                out.append(f"s={e.s} does not fit: {e.total / GiB:.1f} GiB ({_parts(e)}).")
-            where = "inside one node (intra-node links)" if rec.s <= st.dp_per_node else \
-                f"across {math.ceil(rec.s / st.dp_per_node)} nodes"
-            out.append(f"The smallest s that fits keeps the per-layer all-gathers and reduce-scatters {where} and "
-                       f"the most replicas, so the only cross-replica traffic is one all-reduce per optimizer step "
-                       f"({rec.link_bytes['replica'] / 1e9:.2f} GB per GPU). Predicted communication: "
-                       f"{rec.comm_seconds:.2f} s per optimizer step without overlap.")
+                out.append(f"s={e.s} does not fit: {size(e.total)} ({parts(e)}).")
+            lb = rec.link_bytes
+            traffic = (f"Per optimizer step and GPU: {lb['intra-node'] / 1e9:.3g} GB intra-node, "
+                       f"{lb['inter-node'] / 1e9:.3g} GB inter-node, {lb['replica'] / 1e9:.3g} GB across replicas; "
+                       f"{rec.comm_seconds:.3g} s predicted without overlap.")
+            if rec.s == 1:
+                out.append("At s=1 every GPU holds the whole model state (plain data parallelism): no per-layer "
+                           "collectives, one gradient all-reduce per optimizer step. " + traffic)
+            else:
+                if rec.s <= st.dp_per_node:
+                    where = "inside one node, on the intra-node links"
+                else:
+                    hops = " (two hops: the first across nodes, the second inside)" \
+                        if st.hierarchical_allgather else ""
+                    where = f"across {math.ceil(rec.s / st.dp_per_node)} nodes{hops}"
+                out.append(f"A larger s shards further but puts more ranks into every per-layer all-gather and "
+                           f"reduce-scatter and leaves fewer replicas. At s={rec.s} those stay {where}; replicas "
+                           f"meet once per optimizer step (the all-reduce at the accumulation boundary). " + traffic)
         out += self.notes + m.notes
         return "\n".join(out)
 
@@ -264,18 +289,16 @@ class Plan:
         ax.axhline(es[0].budget / GiB, color="r", lw=1, ls="--", label="budget (headroom)")
         ax.set_xticks(xs, [f"s={e.s}" + (" *" if e is self.recommended else "") for e in es])
         ax.set_ylabel("GiB per GPU")
-        ax.set_yscale("log")
+        mem = self.settings.gpu_memory_gib
+        top = max(1.5 * mem, min(max(bottom), 3 * mem)) * 1.05  # bars far above the GPU are cut, labelled
+        ax.set_ylim(0, top)
+        for x, total in zip(xs, bottom):
+            ax.text(x, min(total, top * 0.93), f"{total:.3g}", ha="center", va="bottom", fontsize=8)
         ax.set_title(f"{self.model.name}: memory per GPU vs sharding degree (* recommended)", fontsize=9)
         ax.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
-
-
-def _parts(e: Estimate) -> str:
-    act = f"activations {e.activations / GiB:.1f}" if e.activations is not None else "activations not estimated"
-    return (f"model state {e.model_state['total'] / GiB:.1f} + {act} + gathered parameters and buffers "
-            f"{(e.gathered + e.buffers) / GiB:.1f} GiB")
 
 
 # -- arithmetic ([Note: planner arithmetic]) -----------------------------------------------------------------
@@ -464,7 +487,7 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
 def plan(model: Any, *, instance: Optional[str] = None, degrees: Optional[Sequence[int]] = None,
          shard_units: Optional[List[Any]] = None, **settings: Any) -> Plan:
     """Plans every valid sharding degree s (divisors of the data-parallel world) and recommends the smallest that
-    fits with headroom. ``model``: see :mod:`lightning_mics.plan_models`; ``instance``: a key of
+    fits with headroom. ``model``: see :mod:`lightning_mics.plan.models`; ``instance``: a key of
     :data:`INSTANCES` (sets GPUs per node, memory and bandwidths unless given); other keywords: :class:`Settings`."""
     if instance is not None:
         if instance not in INSTANCES:
@@ -533,6 +556,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"\nchart: {png}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -230,6 +230,8 @@ def resolve(model: Any, shard_units: Optional[List[Any]] = None) -> ModelSpec:
             return from_hf_config(model)
         _fail("model", model, f"a name from {sorted(REFERENCE_MODELS) + ['gpt', 'gpt:key=value,...']}, a parameter "
               "count such as 20e9 or 1.3B, or a path to a Hugging Face config.json")
+    if isinstance(model, os.PathLike):
+        return from_hf_config(model)
     if isinstance(model, dict):
         return from_hf_config(model) if "model_type" in model else from_gpt_config(model)
     if hasattr(model, "to_dict") and hasattr(model, "model_type"):
