@@ -210,7 +210,8 @@ def report(per_rank, args, n_params):
         for case, r in m.items():
             cross = _cross(r["groups"])
             lines.append(f"| {case} | {r['step_s']:.3f} | {r['step_s'] / base['step_s']:.2f} | {r['peak'] / MiB:.1f} | "
-                         f"{r['peak'] / base['peak']:.2f} | {r['state'] / MiB:.1f} | {r['state'] / base['state']:.2f} | "
+                         f"{r['peak'] / base['peak']:.2f} | {r['state'] / MiB:.1f} | "
+                         f"{r['state'] / base['state']:.2f} | "
                          f"{_shard(r['groups']) / 1e6:.2f} | {cross / 1e6:.2f} | "
                          f"{cross / max(_cross(base['groups']), 1):.2f} |")
         lines.append("")
@@ -236,7 +237,8 @@ def report(per_rank, args, n_params):
                           param_persistence_threshold=0, prefetch=1)
             comm = {k: v["bytes"] for k, v in comm_per_step(spec, st, s).items()}
             r = merged[a][case]
-            lines.append(f"| {case} | {a} | {model_state_bytes(spec, st, s)['total'] / MiB:.2f} / {r['state'] / MiB:.2f} | "
+            planned = model_state_bytes(spec, st, s)["total"]
+            lines.append(f"| {case} | {a} | {planned / MiB:.2f} / {r['state'] / MiB:.2f} | "
                          f"{_shard(comm) / 1e6:.2f} / {_shard(r['groups']) / 1e6:.2f} | "
                          f"{_cross(comm) / 1e6:.3f} / {_cross(r['groups']) / 1e6:.3f} |")
     return "\n".join(lines), merged
@@ -251,7 +253,8 @@ def plot(merged, path) -> None:
     accums = list(merged)
     cases = list(merged[accums[0]])
     metrics = [("step time", lambda r: r["step_s"]), ("peak memory per rank", lambda r: r["peak"]),
-               ("model state per rank", lambda r: r["state"]), ("cross-replica bytes per step", lambda r: _cross(r["groups"]))]
+               ("model state per rank", lambda r: r["state"]),
+               ("cross-replica bytes per step", lambda r: _cross(r["groups"]))]
     fig, axes = plt.subplots(1, len(metrics), figsize=(14, 3.8), sharey=True)
     width = 0.8 / len(accums)
     for ax, (title, get) in zip(axes, metrics):
@@ -262,8 +265,9 @@ def plot(merged, path) -> None:
         ax.axvline(1.0, color="k", lw=0.8)
         ax.set_title(f"{title} / {BASE}", fontsize=9)
     axes[0].set_yticks([k + width / 2 for k in range(len(cases))], cases)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(accums), fontsize=8)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from collections import defaultdict
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -98,7 +97,7 @@ def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
         predicted = comm_per_step(spec, st, s)
         # the strategy's telemetry for the last optimizer step (the first one has no recorded order to prefetch by)
         stats = measured["stats"][-1]
-        telemetry = {k[len("comm/"):-len("/bytes")]: {"bytes": int(val), "calls": int(stats[k[:-len("bytes")] + "calls"])}
+        telemetry = {k[len("comm/"):-len("/bytes")]: {"bytes": int(val), "calls": int(stats[k[:-5] + "calls"])}
                      for k, val in stats.items() if k.startswith("comm/") and k.endswith("/bytes")}
         assert predicted == telemetry, (v, predicted, telemetry)
         # every c10d op as the dispatcher saw it, by the ranks of its group
