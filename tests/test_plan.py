@@ -55,7 +55,7 @@ VARIANTS = [
     dict(model="gpt", sharded_data_parallel_degree=4, ranks_per_node=2, param_persistence_threshold=100,
          accum=2, precision="bf16-mixed"),  # two-hop all-gather over 2 simulated nodes, bf16 gathers
     dict(model="demo", optimizer="sgd_momentum", sharded_data_parallel_degree=2, param_persistence_threshold=100,
-         accum=2),
+         accum=2, reduce_bucket_size=3000),  # several gradient buckets per unit and for the replicated ones
 ]
 
 
@@ -63,7 +63,8 @@ def _settings(v):
     p = v.get("ranks_per_node", WORLD)
     return Settings(nodes=WORLD // p, gpus_per_node=p, precision=v.get("precision", "32-true"),
                     optimizer=v.get("optimizer", "adamw"), accumulation=v.get("accum", 1),
-                    param_persistence_threshold=v["param_persistence_threshold"], prefetch=v.get("prefetch", 1))
+                    param_persistence_threshold=v["param_persistence_threshold"], prefetch=v.get("prefetch", 1),
+                    reduce_bucket_size=v.get("reduce_bucket_size", 500_000_000))
 
 
 def _group_name(op, group, layout, rank=0):
