@@ -9,10 +9,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_mics.checkpoint import consolidate
 from lightning_mics.checkpoint_files import CheckpointError
 from lightning_mics.config import MiCSConfig
+from lightning_mics.plan import plan  # the function; the module stays importable as lightning_mics.plan (python -m)
 from lightning_mics.sharding import register_parameter
 from lightning_mics.strategy import MiCSStrategy
 
 if "mics" not in StrategyRegistry:
     MiCSStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CheckpointError", "MiCSConfig", "MiCSStrategy", "consolidate", "register_parameter"]
+__all__ = ["CheckpointError", "MiCSConfig", "MiCSStrategy", "consolidate", "plan", "register_parameter"]

@@ -166,6 +166,23 @@ def all_reduce_sum(
     return work if async_op else None
 
 
+def bucket_runs(sizes: Sequence[int], cap: int) -> List[List[int]]:
+    """Greedy runs of consecutive indices whose sizes add up to at most ``cap`` (at least one index each): how
+    gradients are bucketed for reduce-scatter, replica all-reduce and the replicated parameters' all-reduce."""
+    out: List[List[int]] = []
+    cur: List[int] = []
+    total = 0
+    for i, size in enumerate(sizes):
+        if cur and total + size > cap:
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(i)
+        total += size
+    if cur:
+        out.append(cur)
+    return out
+
+
 def wait(work: Optional[dist.Work], log: Optional[CommLog] = None) -> None:
     """Waits for an async collective; the time blocked is what telemetry calls waiting on communication."""
     if work is None:

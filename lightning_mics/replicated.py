@@ -52,14 +52,10 @@ class ReplicatedReducer:
         key = tuple(rp.requires_grad for rp in self.params)
         layout = self._layouts.get(key)
         if layout is None:
-            layout, cur, n = [], [], 0
-            for rp in (rp for rp in self.params if rp.requires_grad):
-                if cur and n + rp.local.numel() > self.bucket_numel:
-                    layout.append(cur)
-                    cur, n = [], 0
-                cur.append(rp)
-                n += rp.local.numel()
-            layout.append(cur)  # the last bucket exists even when empty: it carries the flags
+            trainable = [rp for rp in self.params if rp.requires_grad]
+            runs = C.bucket_runs([rp.local.numel() for rp in trainable], self.bucket_numel)
+            # the last bucket exists even when empty: it carries the flags
+            layout = [[trainable[k] for k in run] for run in runs] or [[]]
             self._layouts[key] = layout
         return layout
 

@@ -288,16 +288,8 @@ class Unit:
         cached = self._buckets.get(slots)
         if cached is not None:
             return cached
-        out, cur, elems = [], [], 0
-        for i in slots:
-            n = math.prod(self.params[i].shape)
-            if cur and elems + n > self.bucket_size:
-                out.append(self._bucket(cur))
-                cur, elems = [], 0
-            cur.append(i)
-            elems += n
-        if cur:
-            out.append(self._bucket(cur))
+        runs = C.bucket_runs([math.prod(self.params[i].shape) for i in slots], self.bucket_size)
+        out = [self._bucket([slots[k] for k in run]) for run in runs]
         self._buckets[slots] = out
         return out
 

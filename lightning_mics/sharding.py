@@ -18,6 +18,7 @@ plain form into the modules while it runs and its DTensor form back afterwards (
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
@@ -144,6 +145,12 @@ def _common_unit(paths: List[str], unit_paths: List[str]) -> str:
     return _owner(".".join(prefix), unit_paths) if prefix else ""
 
 
+def stays_replicated(shape: Tuple[int, ...], persistence_threshold: int, shard_size: int) -> bool:
+    """A parameter of this shape stays whole on every rank ([Note: units]); the planner uses the same rule."""
+    numel = math.prod(shape)
+    return shard_size == 1 or len(shape) == 0 or numel == 0 or numel < persistence_threshold
+
+
 def plan_sharding(
     root: nn.Module,
     unit_classes: Optional[Tuple[type, ...]],
@@ -170,7 +177,7 @@ def plan_sharding(
     for pid, plan in by_id.items():
         p = plan.param
         plan.unit = _common_unit(module_paths[pid], unit_paths)
-        if shard_size == 1 or p.dim() == 0 or p.numel() == 0 or p.numel() < persistence_threshold:
+        if stays_replicated(tuple(p.shape), persistence_threshold, shard_size):
             units[plan.unit].replicated.append(plan)
         else:
             units[plan.unit].params.append(plan)

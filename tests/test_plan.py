@@ -1,0 +1,230 @@
+"""The planner (lightning_mics.plan) against the strategy it plans for, and against the seeds' configurations.
+
+- Its model-state bytes per rank against ``MiCSStrategy.model_state_bytes()`` measured in real 4-rank fits,
+  and its bytes per collective and group per optimizer step against the strategy's telemetry and against a
+  TorchDispatchMode that sees every c10d op with its group (tests/scripts/plan_fit.py).
+- Its layout of the app's GPT against the GPT module itself.
+- The seed's reference configurations (SageMaker's sharded data parallelism page).
+- Inputs: Hugging Face configs (file, dict, config object), counts, bad values; the command line and its chart.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import lightning_mics
+from lightning_mics.app.models import GPT, GPTConfig
+from lightning_mics.plan import Settings, comm_per_step, estimate, model_state_bytes
+from lightning_mics.plan.models import APP_GPT_DEFAULTS, REFERENCE_MODELS, from_gpt_config, from_module, resolve
+from lightning_mics.topology import plan_layout
+from tests.helpers.launch import REPO, run_ranks
+
+SCRIPT = REPO / "tests" / "scripts" / "plan_fit.py"
+WORLD = 4
+
+
+def _shapes(spec):
+    return [sorted(p.shape for p in u.params) for u in spec.units]
+
+
+@pytest.mark.parametrize("cfg", [GPTConfig(), GPTConfig(vocab_size=61, block_size=12, n_layer=3, n_head=2, n_embd=32),
+                                 GPTConfig(n_layer=2, n_embd=48, n_head=4, tie_weights=False, bias=False)])
+def test_gpt_config_is_laid_out_as_the_gpt_module(cfg):
+    with torch.device("meta"):
+        module = GPT(cfg)
+    assert _shapes(from_gpt_config(cfg)) == _shapes(from_module(module))
+    st = Settings(nodes=1, gpus_per_node=4, param_persistence_threshold=100)
+    for s in (1, 2, 4):
+        assert model_state_bytes(from_gpt_config(cfg), st, s) == model_state_bytes(from_module(module), st, s)
+
+
+def test_app_gpt_defaults_are_the_gpt_config_defaults():
+    assert {k: v for k, v in asdict(GPTConfig()).items() if k in APP_GPT_DEFAULTS} == APP_GPT_DEFAULTS
+
+
+# -- against real fits -------------------------------------------------------------------------------------
+
+VARIANTS = [
+    dict(model="gpt", sharded_data_parallel_degree=2, param_persistence_threshold=100, prefetch=2),
+    dict(model="gpt", sharded_data_parallel_degree=4, ranks_per_node=2, param_persistence_threshold=100,
+         accum=2, precision="bf16-mixed"),  # two-hop all-gather over 2 simulated nodes, bf16 gathers
+    dict(model="demo", optimizer="sgd_momentum", sharded_data_parallel_degree=2, param_persistence_threshold=100,
+         accum=2, reduce_bucket_size=3000),  # several gradient buckets per unit and for the replicated ones
+]
+
+
+def _settings(v):
+    p = v.get("ranks_per_node", WORLD)
+    return Settings(nodes=WORLD // p, gpus_per_node=p, precision=v.get("precision", "32-true"),
+                    optimizer=v.get("optimizer", "adamw"), accumulation=v.get("accum", 1),
+                    param_persistence_threshold=v["param_persistence_threshold"], prefetch=v.get("prefetch", 1),
+                    reduce_bucket_size=v.get("reduce_bucket_size", 500_000_000))
+
+
+def _group_name(op, group, layout, rank=0):
+    """The telemetry's name for a group seen by the dispatcher (with s = world, shard group = world group)."""
+    if op == "all_reduce":
+        return "world" if list(group) == list(range(layout.world_size)) else "replicate"
+    if layout.hierarchical_possible and any(list(group) == g for g in layout.inter_groups() if rank in g):
+        return "inter"
+    if layout.hierarchical_possible and any(list(group) == g for g in layout.intra_groups() if rank in g):
+        return "intra"
+    assert list(group) == layout.shard_group_of(rank), (op, group)
+    return "shard"
+
+
+@pytest.mark.distributed
+def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
+    from tests.scripts.plan_fit import build
+
+    res = run_ranks(SCRIPT, WORLD, ["--variants", json.dumps(VARIANTS)], tmp_path)
+    for i, v in enumerate(VARIANTS):
+        st, s = _settings(v), v["sharded_data_parallel_degree"]
+        spec = lightning_mics.plan(build(v["model"]), degrees=[s], **asdict(st)).model
+        for rank in range(WORLD):
+            got = res[rank]["variants"][i]["state"]
+            want = model_state_bytes(spec, st, s, rank % s)
+            for key in ("params", "grads", "optimizer", "total"):
+                assert abs(want[key] - got[key]) <= 0.05 * got[key], (v, rank, key, want, got)
+            assert want == got, (v, rank)  # in fact exact: the same rules, imported
+
+        measured = res[0]["variants"][i]
+        predicted = comm_per_step(spec, st, s)
+        # the strategy's telemetry for the last optimizer step (the first one has no recorded order to prefetch by)
+        stats = measured["stats"][-1]
+        telemetry = {k[len("comm/"):-len("/bytes")]: {"bytes": int(val), "calls": int(stats[k[:-5] + "calls"])}
+                     for k, val in stats.items() if k.startswith("comm/") and k.endswith("/bytes")}
+        assert predicted == telemetry, (v, predicted, telemetry)
+        # every c10d op as the dispatcher saw it, by the ranks of its group
+        layout = plan_layout(WORLD, s, v.get("ranks_per_node"))
+        seen = defaultdict(lambda: {"bytes": 0, "calls": 0})
+        for op, group, nbytes in measured["steps"][-1]:
+            if op in ("all_gather", "reduce_scatter", "all_reduce"):
+                entry = seen[f"{op}/{_group_name(op, group, layout)}"]
+                entry["bytes"] += nbytes
+                entry["calls"] += 1
+        assert predicted == dict(seen), (v, predicted, dict(seen))
+        est = estimate(spec, st, s)
+        assert est.gathered_elements == stats["mem/gathered_elements_peak"], (v, est.gathered_elements)
+
+
+# -- the seeds' reference configurations -------------------------------------------------------------------
+
+P4D = dict(instance="p4d.24xlarge", seq_len=2048, precision="bf16-mixed", optimizer="adamw",
+           activation_checkpointing=True)
+
+
+def test_seed_gpt_neox_20b_on_two_p4d_needs_degree_16():
+    """Seed: GPT-NeoX-20B, 2 ml.p4d.24xlarge, sequence 2048, mini-batch 4 per GPU, sharded degree 16."""
+    p = lightning_mics.plan("gpt-neox-20b", nodes=2, micro_batch=4, **P4D)
+    assert 20.4e9 < p.model.n_params < 20.7e9
+    assert p.recommended is not None and p.recommended.s == 16
+    assert not p.estimate(8).fits  # the model state alone: 20.6e9 x 16 bytes / 8 > 36 GiB
+    assert p.estimate(8).model_state["total"] > p.estimate(8).budget
+    assert "Recommended s=16" in p.explain() and "s=8 does not fit" in p.explain()
+
+
+def test_seed_gpt_neox_20b_on_eight_p4d_fits_at_degree_32_with_offload():
+    """Seed: GPT-NeoX-20B, 8 ml.p4d.24xlarge, mini-batch 12, degree 32. With 12 sequences of 2048 per GPU the
+    checkpointed layer inputs alone are 13 GB: it fits at s=32 once they are offloaded."""
+    p = lightning_mics.plan("gpt-neox-20b", nodes=8, micro_batch=12, activation_offload=True, **P4D)
+    assert p.recommended is not None and p.recommended.s == 32
+    kept = lightning_mics.plan("gpt-neox-20b", nodes=8, micro_batch=12, **P4D)
+    assert not kept.estimate(32).fits and kept.estimate(32).activations > p.estimate(32).activations
+
+
+def test_seed_gpt_neox_65b_needs_tensor_parallelism():
+    """Seed: GPT-NeoX-65B, 64 ml.p4d.24xlarge, degree 16 with tensor parallelism 8, mini-batch 8, offloading;
+    and degree 64 with tensor parallelism 2 at sequence 4096, mini-batch 2."""
+    with_tp = lightning_mics.plan("gpt-neox-65b", nodes=64, micro_batch=8, tensor_parallel_degree=8,
+                                  activation_offload=True, **P4D)
+    assert 64e9 < with_tp.model.n_params < 66e9
+    assert with_tp.estimate(16).fits and with_tp.estimate(16).r == 4
+    assert "arithmetic only" in with_tp.explain()
+    # the same 512 GPUs without tensor parallelism: at s=16 the model state alone (65e9 x 16 B / 16) is over 40 GiB
+    no_tp = lightning_mics.plan("gpt-neox-65b", nodes=64, micro_batch=8, activation_offload=True, degrees=[16], **P4D)
+    assert no_tp.estimate(16).model_state["total"] > 40 * 2**30 and not no_tp.estimate(16).fits
+    long = lightning_mics.plan("gpt-neox-65b", nodes=64, micro_batch=2, tensor_parallel_degree=2,
+                               activation_offload=True, **dict(P4D, seq_len=4096))
+    assert long.estimate(64).fits
+
+
+# -- inputs --------------------------------------------------------------------------------------------------
+
+def test_model_inputs(tmp_path):
+    neox = REFERENCE_MODELS["gpt-neox-20b"]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(neox))
+
+    class FakeTransformersConfig:  # what a transformers PretrainedConfig offers: model_type and to_dict()
+        model_type = "gpt_neox"
+
+        def to_dict(self):
+            return dict(neox)
+
+    want = _shapes(resolve("gpt-neox-20b"))
+    for form in (str(path), path, neox, FakeTransformersConfig()):
+        assert _shapes(resolve(form)) == want
+    assert resolve("1.3B").n_params == pytest.approx(1.3e9, rel=1e-6)
+    assert resolve(20e9).n_params == pytest.approx(20e9, rel=1e-6)
+    assert resolve(GPTConfig(n_layer=2)).n_params == GPT(GPTConfig(n_layer=2)).num_params()
+    assert resolve("gpt:n_layer=2").n_params == GPT(GPTConfig(n_layer=2)).num_params()
+    gpt2 = resolve("gpt2")
+    assert 124e6 < gpt2.n_params < 125e6
+    llama = resolve("llama-2-7b")
+    assert 6.7e9 < llama.n_params < 6.8e9
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    (dict(nodes=0), "nodes=0"),
+    (dict(precision="fp8"), "precision='fp8'"),
+    (dict(optimizer="lion"), "optimizer='lion'"),
+    (dict(tensor_parallel_degree=3), "tensor_parallel_degree=3"),
+    (dict(degrees=[3]), "degrees=[3]"),
+    (dict(prefetch=-1), "prefetch=-1"),
+    (dict(headroom=1.5), "headroom=1.5"),
+    (dict(instance="p9"), "instance='p9'"),
+    (dict(gpu_memory=40), "gpu_memory=40"),
+    (dict(activation_offload=True), "activation_offload=True"),
+])
+def test_bad_settings_name_option_value_and_allowed(kwargs, option):
+    with pytest.raises(ValueError, match="allowed") as err:
+        lightning_mics.plan("gpt", nodes=kwargs.pop("nodes", 1), gpus_per_node=8, **kwargs)
+    assert option in str(err.value)
+
+
+@pytest.mark.parametrize("model, text", [("nope", "model='nope'"), ({"model_type": "t5"}, "model_type='t5'"),
+                                         ("gpt:depth=3", "gpt:depth=3"), (object(), "model='object'")])
+def test_bad_models(model, text):
+    with pytest.raises(ValueError, match="allowed") as err:
+        lightning_mics.plan(model)
+    assert text in str(err.value)
+
+
+def test_command_line_prints_the_plan_and_writes_the_chart(tmp_path):
+    png = tmp_path / "plan.png"
+    out = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "gpt-neox-20b", "--instance",
+                          "p4d.24xlarge", "--nodes", "2", "--micro-batch", "4", "--activation-checkpointing",
+                          "--png", str(png)], capture_output=True, text=True, cwd=REPO, check=True)
+    assert "Recommended s=16" in out.stdout and "| 16 | 1 | 1 |" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "gpt", "--nodes", "0"],
+                         capture_output=True, text=True, cwd=REPO)
+    assert bad.returncode == 2 and "nodes=0" in bad.stderr
+
+
+def test_recommends_the_smallest_degree_that_fits():
+    p = lightning_mics.plan("gpt-neox-20b", nodes=4, micro_batch=1, **P4D)
+    fitting = [e.s for e in p.estimates if e.fits]
+    assert p.recommended.s == min(fitting)
+    assert all(e.total > e.budget for e in p.estimates if e.s < p.recommended.s)
+    # more sharding, less model state: 1/s of the sharded part plus the replicated small parameters
+    states = [e.model_state["total"] for e in p.estimates]
+    assert states == sorted(states, reverse=True)
+    assert math.isclose(p.estimate(32).model_state["total"] * 2, p.estimate(16).model_state["total"], rel_tol=0.01)
