@@ -463,7 +463,8 @@ class MiCSEngine:
         self.device = device
         by_param = {id(rp.full): rp for u in self.units for rp in u.replicated}
         order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
-        self.reducer = ReplicatedReducer(order, topo.world_group, self.world_size, bucket_size, device, self.log)
+        self.reducer = ReplicatedReducer(order, None, self.world_size, bucket_size, device, self.log)
+        # (None: the default group, looked up per call; holding it would keep it alive after a lone failure)
         if on_meta:  # [Note: sharded initialization] in materialize.py
             materialize(root, {(id(r.module), r.attr): p for u in self.units for p in (*u.params, *u.replicated)
                                for r in p.refs}, device)
