@@ -78,6 +78,7 @@ class MiCSConfig:
     kernels: str = "auto"
     state_dict_type: str = "sharded"  # checkpoints: a DCP directory of shards, or "full": one file by rank 0
     timeout: float = 1800.0
+    stop_on_nonfinite: bool = False  # raise on every rank at the first non-finite loss or gradient norm
 
     def __post_init__(self) -> None:
         self.sharded_data_parallel_degree = _int_like(
@@ -145,6 +146,8 @@ class MiCSConfig:
                   "'full' (one file, gathered on rank 0); both load under any layout")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
             _fail("timeout", self.timeout, "a positive number of seconds")
+        if not isinstance(self.stop_on_nonfinite, bool):
+            _fail("stop_on_nonfinite", self.stop_on_nonfinite, "True or False")
 
     def validate_world(self, world_size: int, ranks_per_node: int) -> int:
         """Resolves and checks the sharding degree against the world; returns s. Call before any group.

@@ -486,7 +486,10 @@ class MiCSEngine:
         self.device = device
         by_param = {id(rp.full): rp for u in self.units for rp in u.replicated}
         order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
-        self.reducer = ReplicatedReducer(order, topo.dp_group, topo.layout.dp_size, bucket_size, device, self.log,
+        # the default group as None, looked up per call: holding it would keep it alive after a lone failure
+        # ([Note: a lone failure] in reliability.py); with t > 1 the data-parallel group, which the mesh holds
+        dp_group = topo.dp_group if topo.layout.tp_size > 1 else None
+        self.reducer = ReplicatedReducer(order, dp_group, topo.layout.dp_size, bucket_size, device, self.log,
                                          group_name="world" if topo.layout.tp_size == 1 else "dp")
         if on_meta:  # [Note: sharded initialization] in materialize.py
             materialize(root, {(id(r.module), r.attr): p for u in self.units for p in (*u.params, *u.replicated)

@@ -56,6 +56,7 @@ import lightning.pytorch as pl
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import collectives as C
 from lightning_mics import checkpoint_files as files
+from lightning_mics import reliability
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSConfig, parse_dtype
 from lightning_mics.precision import default_dtypes, to_mics_precision
@@ -119,6 +120,7 @@ class MiCSStrategy(ParallelStrategy):
         kernels: str = "auto",
         state_dict_type: str = "sharded",
         timeout: float = 1800.0,
+        stop_on_nonfinite: bool = False,
         accelerator: Optional["pl.accelerators.Accelerator"] = None,
         parallel_devices: Optional[List[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -140,6 +142,7 @@ class MiCSStrategy(ParallelStrategy):
             activation_checkpointing=activation_checkpointing, checkpoint_group_size=checkpoint_group_size,
             activation_offload=activation_offload, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
             kernels=kernels, state_dict_type=state_dict_type, timeout=timeout,
+            stop_on_nonfinite=stop_on_nonfinite,
         )
         # class names resolve now, before any process or collective, with the option named in the error
         resolve_classes(self.config.shard_units, "shard_units")
@@ -231,6 +234,10 @@ class MiCSStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         self._validate_layout()  # before any process is launched: every rank would raise alike anyway
+        if self.config.stop_on_nonfinite and self.precision_plugin.precision == "16-mixed":
+            raise ValueError("MiCSStrategy option stop_on_nonfinite=True is invalid with precision='16-mixed': "
+                             "allowed is False there (the loss scaler skips a step with inf/NaN gradients on every "
+                             "rank and lowers the scale); True with any other precision.")
         if not self.cluster_environment.creates_processes_externally:
             if self._start_method == "popen":
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
@@ -406,9 +413,24 @@ class MiCSStrategy(ParallelStrategy):
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        if self.config.stop_on_nonfinite:
+            closure = self._checked(closure, optimizer)
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._publish_comm_stats()
         return out
+
+    def _checked(self, closure: Any, optimizer: Any) -> Any:
+        """``stop_on_nonfinite``: after the closure (the boundary micro-batch's forward and backward, gradients
+        reduced), before clipping and the optimizer step, one small all-reduce decides on every rank alike."""
+        trainer = self.lightning_module.trainer
+        params = [p for g in getattr(optimizer, "_optimizer", optimizer).param_groups for p in g["params"]]
+
+        def run() -> Any:
+            loss = closure()
+            reliability.check_finite(loss, params, trainer.global_step, self.root_device)
+            return loss
+
+        return run
 
     def _publish_comm_stats(self) -> None:
         """Per optimizer step: bytes and calls per collective and group (``comm/<op>/<group>/bytes``)
@@ -681,6 +703,7 @@ class MiCSStrategy(ParallelStrategy):
         self._failed = True  # no collective from here on: a peer may be gone
         if self._engine is not None:
             self._engine.reset()
+        reliability.on_failure()  # [Note: a lone failure] in reliability.py
 
     @classmethod
     @override

@@ -214,6 +214,7 @@ def main():
     ap.add_argument("--markers", action="store_true", help="record unit forwards between the collectives")
     ap.add_argument("--layers", type=int, default=2, help="GPT blocks")
     ap.add_argument("--measure", action="store_true", help="bytes kept for backward, forward ops replayed")
+    ap.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): real hosts (torchrun --nnodes)")
     args = ap.parse_args()
     global LAYERS, MEASURE
     LAYERS, MEASURE = args.layers, args.measure
@@ -251,7 +252,8 @@ def run_variant(args, variant, world, rank, train, val, ref):
                             reduce_bucket_size=args.bucket, state_dict_type="full", **variant)
     counter = CountComms(markers=args.markers)
     trainer = L.Trainer(
-        accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
+        accelerator="cpu", devices=world // args.num_nodes, num_nodes=args.num_nodes, strategy=strategy,
+        max_steps=args.steps,
         accumulate_grad_batches=args.accum, gradient_clip_val=args.clip or None, precision=args.precision,
         limit_val_batches=1, num_sanity_val_steps=0, val_check_interval=args.steps * args.accum,
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
