@@ -34,7 +34,9 @@ post-step hook refreshes it.
 machinery with the placement spread over the whole data-parallel group: the layout's shard group is all W
 ranks, and one unit (the root) owns every parameter and is *pinned*: gathered at its first forward and kept,
 so parameters and gradients stay whole on every rank and no forward or backward gathers anything. Its full
-gradients accumulate locally over the micro-batches of a window; at the boundary they are reduce-scattered
+gradients accumulate locally over the micro-batches of a window (moved into reduce_dtype accumulators at the
+end of each backward when param_dtype is lower, so bf16 gradients are summed in fp32 as the per-micro-batch
+reduce-scatter sums them otherwise); at the boundary they are reduce-scattered
 once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor shards, with 1/W of the optimizer
 state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. Only a
 state dict or a save unpins (``quiesce``); the next forward gathers again.
@@ -166,6 +168,7 @@ class Unit:
         self.accumulated = 0  # trainable full parameters whose gradient autograd accumulated this backward
         self.needs_reduce = False
         self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
+        self.stash: List[Optional[Tensor]] = [None] * len(self.params)  # [Note: optimizer-state-only sharding]
         self.got_grad = torch.zeros(len(self.params), dtype=torch.bool)
         self._gather: Optional[C.AllGatherResult] = None
         self._buckets: Dict[Tuple[int, ...], List[_Bucket]] = {}
@@ -280,6 +283,7 @@ class Unit:
         self.depth = self.pending_post_backward = self.registered_post_backward = self.accumulated = 0
         self.needs_reduce = False
         self.accum = None
+        self.stash = [None] * len(self.params)
         self.got_grad.zero_()
 
     # -- gradients --------------------------------------------------------------------------------------
@@ -315,6 +319,9 @@ class Unit:
                 grads = []
                 for i in bucket.slots:
                     g = _local_grad(self.params[i])
+                    stashed, self.stash[i] = self.stash[i], None
+                    if stashed is not None:
+                        g = stashed if g is None else stashed.add_(g)
                     if g is None:
                         g = torch.zeros(self.params[i].shape, dtype=self.param_dtype, device=self.device)
                     else:
@@ -327,6 +334,20 @@ class Unit:
         for sp in self.params:
             sp.full.grad = None
         return pending
+
+    def stash_grads(self) -> None:
+        """Inside an accumulation window with optimizer-state-only sharding: the full gradients (param_dtype)
+        move into reduce_dtype accumulators, so that the window sums in reduce_dtype, as the reduce-scatter
+        of every micro-batch does otherwise."""
+        for i, sp in enumerate(self.params):
+            g = _local_grad(sp)
+            if g is None:
+                continue
+            if self.stash[i] is None:
+                self.stash[i] = g.to(self.reduce_dtype, copy=True)
+            else:
+                self.stash[i].add_(g)
+            sp.full.grad = None
 
     def finish_reduce(self, p: _PendingReduce) -> None:
         C.wait(p.result.work, self.log)
@@ -677,6 +698,8 @@ class MiCSEngine:
         for unit in reversed(self.units):  # same order on every rank
             if unit.needs_reduce and self._reduce_now():
                 self._reduce(unit)
+            elif unit.needs_reduce and unit.param_dtype != unit.reduce_dtype:
+                unit.stash_grads()  # [Note: optimizer-state-only sharding]: the window sums in reduce_dtype
             self._release_after_backward(unit)
             unit.pending_post_backward = unit.registered_post_backward = unit.accumulated = 0
             unit.training_state = TrainingState.IDLE

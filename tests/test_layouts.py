@@ -205,3 +205,20 @@ def test_layout_options_are_checked():
         MiCSStrategy(shard_optimizer_state=True, shard_units=["torch.nn.Linear"])
     with pytest.raises(ValueError, match="reshard_after_forward=1 .*True or False"):
         MiCSStrategy(reshard_after_forward=1)
+
+
+def test_optimizer_state_only_accumulates_in_reduce_dtype(tmp_path):
+    """Under bf16-mixed the full gradients are bf16; summed across 4 micro-batches in bf16 they drift (measured
+    0.9% from the per-micro-batch reduce-scatter path). Stashed into fp32 at the end of each backward, the
+    window's sum equals the sharded (s = 2) run's, which reduces every micro-batch in fp32."""
+    variants = [{"s": 2}, ZERO1]
+    run_ranks(SCRIPT, 4, ["--model", "gpt", "--precision", "bf16-mixed", "--accum", "4", "--threshold", "0",
+                          "--save-states", "--variants", json.dumps(variants)], tmp_path)
+    import torch
+
+    sharded, zero1 = torch.load(tmp_path / "state0.pt"), torch.load(tmp_path / "state1.pt")
+    assert sorted(sharded) == sorted(zero1)
+    for name, ref in sharded.items():
+        assert ref.dtype == torch.float32, name  # fp32 masters come back
+        err = (zero1[name] - ref).norm().item() / max(ref.norm().item(), 1e-12)
+        assert err <= 1e-5, (name, err)

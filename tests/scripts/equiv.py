@@ -214,6 +214,7 @@ def main():
     ap.add_argument("--markers", action="store_true", help="record unit forwards between the collectives")
     ap.add_argument("--layers", type=int, default=2, help="GPT blocks")
     ap.add_argument("--measure", action="store_true", help="bytes kept for backward, forward ops replayed")
+    ap.add_argument("--save-states", action="store_true", help="rank 0 writes each variant's full state dict")
     ap.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): real hosts (torchrun --nnodes)")
     args = ap.parse_args()
     global LAYERS, MEASURE
@@ -234,9 +235,10 @@ def main():
     if rank == 0:
         ref = reference(args, world, x, y)
     results = []
-    for variant in variants:
+    for k, variant in enumerate(variants):
         try:
-            results.append(run_variant(args, dict(variant), world, rank, train, val, ref))
+            results.append(run_variant(args, dict(variant), world, rank, train, val, ref,
+                                       Path(args.out) / f"state{k}.pt" if args.save_states else None))
         except Exception:
             import traceback
 
@@ -246,7 +248,7 @@ def main():
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
 
 
-def run_variant(args, variant, world, rank, train, val, ref):
+def run_variant(args, variant, world, rank, train, val, ref, save_to=None):
     s = variant.pop("s", args.s)
     strategy = MiCSStrategy(sharded_data_parallel_degree=s, param_persistence_threshold=args.threshold,
                             reduce_bucket_size=args.bucket, state_dict_type="full", **variant)
@@ -288,6 +290,8 @@ def run_variant(args, variant, world, rank, train, val, ref):
               "live_param_peak": counter.live_param_peak,
               "kept_bytes": counter.kept, "replayed_forward_ops": counter.replayed,
               "global_step": trainer.global_step}
+    if rank == 0 and save_to is not None:
+        torch.save(full, save_to)
     if rank == 0:
         init, ref_sd, norms = ref
         result["ref_norms"] = norms
