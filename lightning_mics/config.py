@@ -134,6 +134,9 @@ class MiCSConfig:
                 if not all(isinstance(v, (str, type)) for v in value):
                     _fail(name, value, "a list of module classes or their dotted names")
             setattr(self, name, value)
+        if self.checkpoint_group_size != 1 and not self.activation_checkpointing:
+            _fail("checkpoint_group_size", self.checkpoint_group_size,
+                  "the default 1 unless activation_checkpointing names the modules to checkpoint in groups")
         if self.activation_offload and not self.activation_checkpointing:
             _fail("activation_offload", True, "True only together with activation_checkpointing")
         parse_dtype("param_dtype", self.param_dtype)

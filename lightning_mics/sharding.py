@@ -104,7 +104,8 @@ def resolve_classes(names: Optional[Sequence], option: str) -> Optional[Tuple[Ty
                 "(e.g. 'torch.nn.TransformerEncoderLayer')."
             ) from None
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise ValueError(f"MiCSStrategy option {option}: {name!r} is not an nn.Module subclass.")
+            raise ValueError(f"MiCSStrategy option {option}={list(names)!r} is invalid: {name!r} is not an nn.Module "
+                             "subclass; allowed is a list of nn.Module classes or their dotted names.")
         out.append(cls)
     return tuple(out)
 
@@ -157,6 +158,12 @@ def plan_sharding(
     persistence_threshold: int,
     shard_size: int,
 ) -> ShardingPlan:
+    if unit_classes and not any(isinstance(m, unit_classes) for m in root.modules()):
+        present = sorted({type(m).__name__ for m in root.modules()})
+        raise ValueError(
+            f"MiCSStrategy option shard_units={[c.__name__ for c in unit_classes]!r} is invalid: the model "
+            f"({type(root).__name__}) contains no instance of them; allowed is classes of modules in the model "
+            f"(it holds {present[:12]}), or None: every child of every nn.ModuleList is a unit.")
     unit_paths = _unit_paths(root, unit_classes)
     modules = dict(root.named_modules(remove_duplicate=False))
     by_id: Dict[int, ParamPlan] = {}

@@ -233,6 +233,10 @@ class MiCSStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:
+            # Lightning checks devices x num_nodes against the launcher's world only in its own launcher; under
+            # torchrun (or srun) a mismatch would otherwise surface at setup as a misleading layout error
+            self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         self._validate_layout()  # before any process is launched: every rank would raise alike anyway
         if self.config.stop_on_nonfinite and self.precision_plugin.precision == "16-mixed":
             raise ValueError("MiCSStrategy option stop_on_nonfinite=True is invalid with precision='16-mixed': "

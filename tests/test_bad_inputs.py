@@ -1,0 +1,170 @@
+"""The bad-input table (issue 19): every bad strategy option or combination, each as its own real process started
+the user's way, exits non-zero within 60 s with a message naming the option, the value and what is allowed.
+
+Most are refused in ``MiCSStrategy.__init__`` (lightning_mics/config.py: ``MiCSConfig.__post_init__``) or when the
+Trainer is made (``validate_world``, the precision check), before any process is launched: those run as one plain
+``python tests/scripts/bad_input.py`` with ``devices=2`` and never start the second rank. Those that need the model
+(a ``shard_units`` or ``activation_checkpointing`` class the model does not contain, a checkpoint group longer
+than the run of blocks) are refused at setup: Lightning's launcher starts rank 1, both ranks raise the same error
+before the first collective of the engine, and both exit (the output holds each rank's line). Two run under
+``torchrun`` (2 ranks, every rank refuses before the process group: a degree that does not divide the world, and
+``devices`` not matching torchrun's world size), and two through the Hydra app
+(``python -m lightning_mics.app.train strategy.X=...``). The 60 s bound is the specification, not a figure.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.helpers.launch import REPO, free_port
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = REPO / "tests" / "scripts" / "bad_input.py"
+BOUND_S = 60
+
+# (id, how it is started, options (JSON for the script; overrides for the app), extra arguments,
+#  substrings the output must hold: the option with its value, then what is allowed)
+INIT, SETUP, TORCHRUN, APP = "init", "setup", "torchrun", "app"
+CASES = [
+    # values, one option at a time (MiCSConfig.__post_init__)
+    ("degree-zero", INIT, {"sharded_data_parallel_degree": 0}, [],
+     ["sharded_data_parallel_degree=0", "allowed is an integer >= 1 or None"]),
+    ("bucket-zero", INIT, {"reduce_bucket_size": 0}, [], ["reduce_bucket_size=0", "allowed is an integer >= 1"]),
+    ("persistence-negative", INIT, {"param_persistence_threshold": -1}, [],
+     ["param_persistence_threshold=-1", "allowed is an integer >= 0"]),
+    ("prefetch-negative", INIT, {"prefetch": -1}, [], ["prefetch=-1", "allowed is an integer >= 0"]),
+    ("reshard-string", INIT, {"reshard_after_forward": "no"}, [],
+     ["reshard_after_forward='no'", "allowed is True or False"]),
+    ("hierarchical-string", INIT, {"hierarchical_allgather": "yes"}, [],
+     ["hierarchical_allgather='yes'", "allowed is None (two hops when a sharding group spans whole nodes), True or False"]),
+    ("shard-units-not-a-list", INIT, {"shard_units": [3]}, [],
+     ["shard_units=[3]", "allowed is a list of module classes or their dotted names"]),
+    ("shard-units-not-a-module", INIT, {"shard_units": ["torch.Tensor"]}, [],
+     ["shard_units=['torch.Tensor']", "allowed is a list of nn.Module classes or their dotted names"]),
+    ("checkpointing-not-importable", INIT, {"activation_checkpointing": ["no.such.Block"]}, [],
+     ["activation_checkpointing=['no.such.Block']", "allowed is a list of nn.Module classes or their dotted names"]),
+    ("param-dtype-int8", INIT, {"param_dtype": "int8"}, [],
+     ["param_dtype='int8'", "allowed is one of ['16', '32', 'bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']"]),
+    ("reduce-dtype-fp8", INIT, {"reduce_dtype": "fp8"}, [], ["reduce_dtype='fp8'", "allowed is one of ["]),
+    ("kernels-x", INIT, {"kernels": "x"}, [], ["kernels='x'", "allowed is 'auto' | 'triton' | 'torch'"]),
+    ("state-dict-type-x", INIT, {"state_dict_type": "x"}, [], ["state_dict_type='x'", "allowed is 'sharded'", "'full'"]),
+    ("timeout-zero", INIT, {"timeout": 0}, [], ["timeout=0", "allowed is a positive number of seconds"]),
+    ("start-method-thread", INIT, {"start_method": "thread"}, [], ["start_method='thread'", "allowed is one of"]),
+    # combinations (MiCSConfig.__post_init__)
+    ("offload-without-checkpointing", INIT, {"activation_offload": True}, [],
+     ["activation_offload=True", "allowed is True only together with activation_checkpointing"]),
+    ("group-size-without-checkpointing", INIT, {"checkpoint_group_size": 2}, [],
+     ["checkpoint_group_size=2", "allowed is the default 1 unless activation_checkpointing"]),
+    ("optimizer-state-with-s2", INIT, {"shard_optimizer_state": True, "sharded_data_parallel_degree": 2}, [],
+     ["shard_optimizer_state=True", "allowed is True only with sharded_data_parallel_degree=1 (got 2)"]),
+    ("optimizer-state-with-live-cap", INIT,
+     {"shard_optimizer_state": True, "sharded_data_parallel_degree": 1, "max_live_parameters": 1000}, [],
+     ["max_live_parameters=1000", "allowed is the default 1000000000 with shard_optimizer_state=True"]),
+    ("optimizer-state-with-prefetch", INIT, {"shard_optimizer_state": True, "prefetch": 2}, [],
+     ["prefetch=2", "allowed is the default 1 with shard_optimizer_state=True"]),
+    ("optimizer-state-with-units", INIT, {"shard_optimizer_state": True, "shard_units": ["torch.nn.Linear"]}, [],
+     ["shard_units=['torch.nn.Linear']", "allowed is None with shard_optimizer_state=True"]),
+    ("optimizer-state-keep-gathered", INIT, {"shard_optimizer_state": True, "reshard_after_forward": False}, [],
+     ["reshard_after_forward=False", "allowed is True (the default) with shard_optimizer_state=True"]),
+    ("optimizer-state-with-tp", INIT, {"shard_optimizer_state": True, "tensor_parallel_degree": 2}, [],
+     ["shard_optimizer_state=True", "allowed is False with tensor_parallel_degree > 1"]),
+    ("prescaled-without-tp", INIT, {"prescaled_batch": True}, [],
+     ["prescaled_batch=True", "allowed is True only with tensor_parallel_degree > 1"]),
+    ("tp-with-full-state-dict", INIT, {"tensor_parallel_degree": 2, "state_dict_type": "full"}, [],
+     ["state_dict_type='full'", "allowed is 'sharded' with tensor_parallel_degree > 1"]),
+    # against the world and the precision (validate_world and the precision check, when the Trainer is made)
+    ("degree-not-dividing-world", INIT, {"sharded_data_parallel_degree": 3}, [],
+     ["sharded_data_parallel_degree=3", "allowed is a divisor of the world size 2: [1, 2]"]),
+    ("degree-not-dividing-dp", INIT, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, [],
+     ["sharded_data_parallel_degree=2", "allowed is a divisor of the data-parallel size 1 (world 2 / "
+      "tensor_parallel_degree 2): [1]"]),
+    ("ranks-per-node-not-dividing", INIT, {"ranks_per_node": 3}, [],
+     ["ranks_per_node=3", "allowed is a divisor of the world size 2"]),
+    ("tp-not-dividing-world", INIT, {"tensor_parallel_degree": 3}, [],
+     ["tensor_parallel_degree=3", "allowed is a divisor of the world size 2: [1, 2]"]),
+    ("stop-with-16-mixed", INIT, {"stop_on_nonfinite": True}, ["--precision", "16-mixed"],
+     ["stop_on_nonfinite=True", "precision='16-mixed'", "allowed is False there"]),
+    # refused on every rank: at setup (they need the model), or under torchrun before the process group
+    ("shard-units-not-in-model", SETUP, {"shard_units": ["torch.nn.TransformerEncoderLayer"]}, [],
+     ["shard_units=['TransformerEncoderLayer']", "allowed is classes of modules in the model"]),
+    ("checkpointing-not-in-model", SETUP, {"activation_checkpointing": ["torch.nn.TransformerEncoderLayer"]}, [],
+     ["activation_checkpointing=['torch.nn.TransformerEncoderLayer']", "contains no instance of"]),
+    ("group-longer-than-run", SETUP, {"activation_checkpointing": ["tests.scripts.compat.Block"],
+                                      "checkpoint_group_size": 3}, [],
+     ["checkpoint_group_size=3", "allowed: 1..2"]),
+    ("torchrun-degree-not-dividing-world", TORCHRUN, {"sharded_data_parallel_degree": 4}, [],
+     ["sharded_data_parallel_degree=4", "allowed is a divisor of the world size 2: [1, 2]"]),
+    ("torchrun-devices-not-world", TORCHRUN, {}, ["--devices", "4"],
+     ["devices=4", "does not match the world size (2)"]),
+    # through the Hydra app: a wrong value (MiCSStrategy.__init__), a wrong type (the structured config)
+    ("app-kernels-x", APP, ["strategy.kernels=x"], [], ["kernels='x'", "allowed is 'auto' | 'triton' | 'torch'"]),
+    ("app-prefetch-string", APP, ["strategy.prefetch=abc"], [],
+     ["strategy.prefetch", "'abc'", "could not be converted to Integer"]),
+]
+
+
+def _job_pids(marker: str):
+    """Processes whose command line holds ``marker`` (the case's own folder)."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != os.getpid():
+            try:
+                cmd = open(f"/proc/{d}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if marker.encode() in cmd:
+                pids.append(int(d))
+    return pids
+
+
+def _command(kind, options, extra, out):
+    if kind == APP:
+        return [sys.executable, "-m", "lightning_mics.app.train", *options, "trainer.devices=2",
+                "trainer.max_steps=2", f"hydra.run.dir={out}/hydra"]
+    args = [str(SCRIPT), "--out", str(out), "--strategy", json.dumps(options), *extra]
+    if kind == TORCHRUN:
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-port", str(free_port()), *args]
+    return [sys.executable, *args]
+
+
+@pytest.mark.parametrize("kind,options,extra,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_exits_naming_option_value_and_allowed(tmp_path, kind, options, extra, expected):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()),
+               HYDRA_FULL_ERROR="1")
+    log = tmp_path / "job.log"
+    start = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(_command(kind, options, extra, tmp_path), cwd=tmp_path, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=BOUND_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        elapsed = time.monotonic() - start
+        if code is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output = log.read_text()
+    assert code is not None, f"still running after {BOUND_S} s:\n{output[-4000:]}"
+    assert code != 0, output[-4000:]
+    for text in expected:
+        assert text in output, f"{text!r} not in the output:\n{output[-4000:]}"
+    assert "fit finished" not in output
+    if kind in (SETUP, TORCHRUN):  # every rank refused, alike, and exited
+        for rank in (0, 1):
+            assert f"[rank {rank}] refused: ValueError: " in output, output[-4000:]
+        deadline = time.monotonic() + 10
+        while _job_pids(str(tmp_path)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _job_pids(str(tmp_path)), f"a rank was left running\n{output[-4000:]}"
+        assert time.monotonic() - start < BOUND_S, f"the last rank ended after {time.monotonic() - start:.0f} s"
+    if kind == INIT:
+        assert "[rank 0] refused: " in output and "[rank 1]" not in output  # refused before any launch
