@@ -29,8 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-HOSTS = ("10.200.0.1", "10.200.0.2")
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.helpers.netns import HOSTS, join  # noqa: E402
 CASES = {"s=4 flat": dict(sharded_data_parallel_degree=4, hierarchical_allgather=False),
          "s=4 two-hop": dict(sharded_data_parallel_degree=4, hierarchical_allgather=True),
          "s=2 r=2": dict(sharded_data_parallel_degree=2)}
@@ -107,12 +108,7 @@ def _ip(*a, check=True):
 def make_hosts(names):
     for ns in names:
         _ip("netns", "add", ns)
-    _ip("link", "add", names[0], "type", "veth", "peer", "name", names[1])
-    for ns, addr in zip(names, HOSTS):
-        _ip("link", "set", ns, "netns", ns)
-        _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("-n", ns, "addr", "add", f"{addr}/30", "dev", ns)
-        _ip("-n", ns, "link", "set", ns, "up")
+    join(names)  # loopback-range addresses ([Note: loopback-range hosts] in tests/helpers/netns.py)
 
 
 def shape(names, delay_ms, rate_mbit) -> str:

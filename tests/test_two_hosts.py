@@ -1,7 +1,7 @@
 """A real two-host run: two network namespaces joined by a veth pair act as two nodes of 2 ranks each.
 
-Each namespace has its own network stack; the only link between them is the veth pair, addressed with a private
-/30 (10.200.0.1 <-> 10.200.0.2) that exists only between the two namespaces. ``torchrun --nnodes 2
+Each namespace has its own network stack; the only link between them is the veth pair, addressed with a
+loopback-range /30 (127.200.0.1 <-> 127.200.0.2; [Note: loopback-range hosts] in tests/helpers/netns.py). ``torchrun --nnodes 2
 --nproc-per-node 2`` starts 2 ranks in each (static rendezvous on the first host's address); gloo binds to the
 veth (``GLOO_SOCKET_IFNAME``), so every byte between the hosts crosses it. The strategy is given no
 ``ranks_per_node``: it takes the node size from Lightning's cluster environment (torchelastic's), so s = 4 spans
@@ -21,11 +21,11 @@ import sys
 import pytest
 
 from tests.helpers.launch import REPO
+from tests.helpers.netns import HOSTS, join
 from tests.test_equivalence import _assert_matches
 
 pytestmark = pytest.mark.distributed
 
-HOSTS = ("10.200.0.1", "10.200.0.2")
 
 
 def _ip(*args):
@@ -46,14 +46,7 @@ def two_hosts():
                 pytest.skip(f"two-host test: cannot create a network namespace here ({r.stderr.strip()}); "
                             "it needs root or CAP_NET_ADMIN")
             made.append(ns)
-        steps = [("link", "add", names[0], "type", "veth", "peer", "name", names[1]),
-                 ("link", "set", names[0], "netns", names[0]), ("link", "set", names[1], "netns", names[1])]
-        for ns, addr in zip(names, HOSTS):
-            steps += [("-n", ns, "link", "set", "lo", "up"), ("-n", ns, "addr", "add", f"{addr}/30", "dev", ns),
-                      ("-n", ns, "link", "set", ns, "up")]
-        for step in steps:
-            r = _ip(*step)
-            assert r.returncode == 0, f"ip {' '.join(step)}: {r.stderr}"
+        join(names)
         yield names
     finally:
         for ns in made:
