@@ -9,8 +9,12 @@ time after warm-up and its ratio to FSDP2 HSDP (``fully_shard`` per block and on
 defaults) and to DDP. MiCS runs its engine in the same plain training loop (every parameter sharded:
 ``param_persistence_threshold=0``), at s = 2 (r = 2, the layout HSDP has) with prefetch 0/1/2 and with the
 root/last-unit keep on and off, and at s = 4 over 2 simulated nodes of 2 ranks, flat and two-hop in either hop
-order. Writes ``benchmarks/out/schedule.md`` and ``schedule.png``; ``--profile`` also writes a torch.profiler
-table of rank 0's busiest ops for MiCS (prefetch 1) and DDP.
+order. Writes ``benchmarks/out/schedule.md`` and ``schedule.png``. A second table gives the CPU seconds per
+step summed over the ranks (``getrusage``: user + system, gloo's threads and page-fault handling included) and
+the minor page faults: on a shared machine the wall time also measures the neighbours, the CPU time much less.
+``--profile`` also writes a torch.profiler table of rank 0's ops by self CPU time, grouped by input shape, for
+MiCS (prefetch 1), FSDP2 HSDP and DDP (``profile_*.txt``), and per step the self time, calls and MB written per
+op (``profile.json``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -34,6 +39,7 @@ from lightning_mics import collectives as C  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 
 S2 = dict(s=2, ranks_per_node=None)
+PROFILED = ("mics p1", "fsdp2_hsdp", "ddp")  # --profile: rank 0, 3 steps each, after the timed rounds
 CONFIGS = {
     "ddp": {},
     "fsdp2_hsdp": {},
@@ -91,6 +97,24 @@ def step(name, model, engine, opt, batches, order):
     opt.zero_grad()
 
 
+def op_summary(events, steps):
+    """Per op: self CPU ms, calls and MB written (first tensor argument: the destination of copy_, fill_,
+    zero_, the in-place ops), per step."""
+    sizes = {"float": 4, "c10::BFloat16": 2, "c10::Half": 2, "double": 8, "long int": 8, "int": 4, "bool": 1}
+    out = {}
+    for e in events:
+        row = out.setdefault(e.name, [0.0, 0.0, 0.0])
+        row[0] += e.self_cpu_time_total / 1e3 / steps
+        row[1] += 1 / steps
+        shapes, dtypes = e.input_shapes or [], getattr(e, "input_dtypes", None) or []
+        if shapes and shapes[0] and dtypes and dtypes[0] in sizes:
+            n = 1
+            for d in shapes[0]:
+                n *= d
+            row[2] += n * sizes[dtypes[0]] / 1e6 / steps
+    return out
+
+
 def worker(rank, world, port, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -102,40 +126,51 @@ def worker(rank, world, port, args, out):
         model, engine = build(name, CONFIGS[name], mcfg)
         models[name] = (model, engine, torch.optim.AdamW(model.parameters(), lr=1e-4))
     g = torch.Generator().manual_seed(100 + rank)
-    results = {}
+    results, profiles, cpu_results = {}, {}, {}
     for accum in args.accum:
         data = torch.randint(0, args.vocab, (accum, args.batch, args.seq + 1), generator=g)
         times = {n: [] for n in names}
+        cpu = torch.zeros(len(names), 2, dtype=torch.float64)  # this process's CPU seconds and minor faults
         for rnd in range(args.warmup + args.rounds):
-            for name in names:
+            for k, name in enumerate(names):
                 model, engine, opt = models[name]
                 dist.barrier()
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
                 step(name, model, engine, opt, data, CONFIGS[name].get("order"))
                 dist.barrier()
                 if rnd >= args.warmup:
                     times[name].append(time.perf_counter() - t0)
+                    r1 = resource.getrusage(resource.RUSAGE_SELF)
+                    cpu[k, 0] += r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+                    cpu[k, 1] += r1.ru_minflt - r0.ru_minflt
+        dist.all_reduce(cpu)  # summed over the ranks, outside the timed region
         results[accum] = {n: statistics.median(t) for n, t in times.items()}
+        cpu_results[accum] = {n: [cpu[k, 0].item() / args.rounds, cpu[k, 1].item() / args.rounds]
+                              for k, n in enumerate(names)}
         if args.profile and rank == 0:
             from torch.profiler import ProfilerActivity, profile
 
-            for name in ("mics p1", "ddp"):
+            for name in PROFILED:
                 if name not in models:
                     continue
                 model, engine, opt = models[name]
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                     for _ in range(3):
                         step(name, model, engine, opt, data, None)
                 (Path(out).parent / f"profile_{name.replace(' ', '_')}_accum{accum}.txt").write_text(
-                    prof.key_averages().table(sort_by="cpu_time_total", row_limit=30))
+                    prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=60))
+                profiles.setdefault(accum, {})[name] = op_summary(prof.events(), 3)
         elif args.profile:
-            for name in ("mics p1", "ddp"):
+            for name in PROFILED:
                 if name in models:
                     model, engine, opt = models[name]
                     for _ in range(3):
                         step(name, model, engine, opt, data, None)
     if rank == 0:
-        Path(out).write_text(json.dumps(results))
+        Path(out).write_text(json.dumps({"time": results, "cpu": cpu_results}))
+        if profiles:
+            (Path(out).parent / "profile.json").write_text(json.dumps(profiles))
     dist.destroy_process_group()
 
 
@@ -159,7 +194,9 @@ def main():
 
     raw = out / "schedule.json"
     mp.start_processes(worker, args=(4, free_port(), args, str(raw)), nprocs=4, start_method="spawn")
-    results = {int(k): v for k, v in json.loads(raw.read_text()).items()}
+    raw_results = json.loads(raw.read_text())
+    results = {int(k): v for k, v in raw_results["time"].items()}
+    cpu = {int(k): v for k, v in raw_results["cpu"].items()}
     n_params = sum(p.numel() for p in GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers,
                                                      n_head=4, n_embd=args.width)).parameters())
     lines = [f"# Step time, interleaved (4 CPU ranks, gloo, GPT {args.width} wide x {args.layers} blocks, vocab "
@@ -172,6 +209,17 @@ def main():
         for a, r in results.items():
             cells += [f"{r[name]:.3f}", f"{r[name] / r['fsdp2_hsdp']:.2f}" if "fsdp2_hsdp" in r else "-",
                       f"{r[name] / r['ddp']:.2f}" if "ddp" in r else "-"]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines += ["", "CPU time per step, summed over the 4 ranks (user + system, compute and gloo threads alike: what the "
+              "ranks compete for on a shared machine), and minor page faults (fresh memory touched)", "",
+              "| configuration | " + " | ".join(f"accum {a}: CPU s/step | / HSDP | / DDP | faults/step"
+                                               for a in cpu) + " |",
+              "|---|" + "---|---|---|---|" * len(cpu)]
+    for name in next(iter(cpu.values())):
+        cells = []
+        for a, c in cpu.items():
+            cells += [f"{c[name][0]:.2f}", f"{c[name][0] / c['fsdp2_hsdp'][0]:.2f}" if "fsdp2_hsdp" in c else "-",
+                      f"{c[name][0] / c['ddp'][0]:.2f}" if "ddp" in c else "-", f"{c[name][1] / 1e3:.0f}k"]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)
