@@ -114,7 +114,6 @@ class Unit:
         self.module = plan.module
         self.topo, self.kernels, self.log = topo, kernels, log
         self.s = topo.layout.shard_size
-        self.world_size = topo.layout.world_size
         self.dp_size = topo.layout.dp_size  # gradients average over the data-parallel ranks (W / t)
         self.bucket_size = bucket_size
         self.nodes = nodes  # two-hop all-gather groups, or None: flat
@@ -490,7 +489,6 @@ class MiCSEngine:
                             checkpoint_group_size=checkpoint_group_size, activation_offload=activation_offload,
                             keep_for_backward=keep_for_backward, reshard_after_forward=reshard_after_forward,
                             optimizer_state_only=optimizer_state_only)
-        self.world_size = topo.layout.world_size
         self.log = CommLog()
         self.optimizer_state_only = optimizer_state_only
         # [Note: optimizer-state-only sharding]: one unit (the root) holds every parameter

@@ -165,10 +165,6 @@ class Topology:
         return self.mesh.get_group("replicate")
 
     @property
-    def world_group(self) -> dist.ProcessGroup:
-        return dist.group.WORLD
-
-    @property
     def dp_group(self) -> dist.ProcessGroup:
         """Where data-parallel averages run: the world, or with t > 1 the ranks of this tensor-parallel rank."""
         return self.dp_mesh.get_group("dp") if self.dp_mesh is not None else dist.group.WORLD

@@ -41,23 +41,9 @@ def chunk_cat(tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor
     # scratch first (fill, copy, cat): three passes over it and a second padded-size allocation instead of one
     # pass. Measured on GPT-2's root unit (50257-row embedding + 64-row position table + a LayerNorm, 2 chunks,
     # one CPU thread, fresh output): 19 ms against 40 ms (benchmarks/RESULTS.md, "Communication schedule").
-    dsts, srcs, pads = [], [], []
-    for t, n, seg, off in zip(tensors, layout.numels, segs, layout.offsets):
-        if not seg:
-            continue
-        full, rest = divmod(n, seg)
-        t = t.reshape(-1)
-        if full:
-            dsts.append(out[:full, off : off + seg])
-            srcs.append(t[: full * seg].view(full, seg))
-        if rest:
-            dsts.append(out[full, off : off + rest])
-            srcs.append(t[full * seg :])
-            pads.append(out[full, off + rest : off + seg])
-        if full + (1 if rest else 0) < nc:
-            pads.append(out[full + (1 if rest else 0) :, off : off + seg])
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+    pairs, pads = _chunk_pieces(out, [t.reshape(-1) for t in tensors], layout)
+    if pairs:
+        torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])
     if pads:
         torch._foreach_zero_(pads)
 
@@ -72,17 +58,26 @@ def chunk_split(flat: torch.Tensor, outs: Sequence[torch.Tensor], layout: Layout
     # and the partial last chunk, all in one _foreach_copy_ (which casts like copy_). One pass, no scratch:
     # measured 15.5 ms against 34.4 ms for split_with_sizes_copy into a scratch and a trim (GPT-2 shapes,
     # 50257-row embedding, 2 chunks, one CPU thread).
-    dsts, srcs = [], []
-    for o, n, seg, off in zip(outs, layout.numels, segs, layout.offsets):
+    pairs, _ = _chunk_pieces(flat, [o.view(-1) for o in outs], layout)
+    if pairs:
+        torch._foreach_copy_([p for _, p in pairs], [c for c, _ in pairs])
+
+
+def _chunk_pieces(chunks: torch.Tensor, flats: Sequence[torch.Tensor], layout: Layout):
+    """The (num_chunks, S) buffer against 1-D tensors ([Note: rank-major layout]): per tensor at most two
+    (buffer region, tensor region) pairs, its full chunks as one strided (rows, seg) block and its partial last
+    chunk; and the buffer regions that are padding."""
+    nc = layout.num_chunks
+    pairs, pads = [], []
+    for t, n, seg, off in zip(flats, layout.numels, layout.segs, layout.offsets):
         if not seg:
             continue
         full, rest = divmod(n, seg)
-        o = o.view(-1)
         if full:
-            dsts.append(o[: full * seg].view(full, seg))
-            srcs.append(flat[:full, off : off + seg])
+            pairs.append((chunks[:full, off : off + seg], t[: full * seg].view(full, seg)))
         if rest:
-            dsts.append(o[full * seg :])
-            srcs.append(flat[full, off : off + rest])
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+            pairs.append((chunks[full, off : off + rest], t[full * seg :]))
+            pads.append(chunks[full, off + rest : off + seg])
+        if full + (1 if rest else 0) < nc:
+            pads.append(chunks[full + (1 if rest else 0) :, off : off + seg])
+    return pairs, pads

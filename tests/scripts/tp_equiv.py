@@ -85,7 +85,7 @@ def build():
 
 
 def make_optimizer(params):
-    return torch.optim.AdamW(params, lr=float(os.environ.get("TP_LR", "1e-2")), betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
 
 
 class Module(L.LightningModule):
