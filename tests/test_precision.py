@@ -26,9 +26,11 @@ def test_fp16_overflow_on_one_rank_skips_step_everywhere(tmp_path):
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
 def test_bf16_trains_close_to_fp32_reference(tmp_path, precision):
     """Also with the schedule and activation features on (prefetch 2, blocks checkpointed two at a time with the
-    boundary activations offloaded): the same model, under bf16."""
+    boundary activations offloaded), in keep-gathered mode and with optimizer-state-only sharding: the same
+    model, under bf16."""
     variants = [{"s": 2}, {"s": 2, "prefetch": 2, "activation_checkpointing": ["lightning_mics.app.models.gpt.Block"],
-                           "checkpoint_group_size": 2, "activation_offload": True}]
+                           "checkpoint_group_size": 2, "activation_offload": True},
+                {"s": 2, "reshard_after_forward": False}, {"s": 1, "shard_optimizer_state": True}]
     res = run_ranks(REPO / "tests" / "scripts" / "equiv.py", 4,
                     ["--model", "gpt", "--precision", precision, "--accum", "2", "--clip", "1.0",
                      "--variants", json.dumps(variants)], tmp_path)
