@@ -136,12 +136,15 @@ def reduce_scatter_grads(
     log: Optional[CommLog] = None,
     group_name: str = "shard",
     kernels: str = "auto",
+    staging: Optional[Tensor] = None,
 ) -> ReduceScatterResult:
     """Lays full gradients out rank-major (cast to ``dtype``), pre-scales, and reduce-scatters (sum).
 
-    With ``group_size == 1`` there is nobody to reduce with: the flattened, scaled buffer is returned.
+    ``staging``: a ``(group_size, S)`` buffer of ``dtype`` to lay them out in (a new one if None); the caller
+    keeps it intact until the collective is done. With ``group_size == 1`` there is nobody to reduce with: the
+    flattened, scaled buffer is returned.
     """
-    buf = triton_kernels.chunk_cat(list(grads), group_size, dtype=dtype, backend=kernels)
+    buf = triton_kernels.chunk_cat(list(grads), group_size, out=staging, dtype=dtype, backend=kernels)
     if scale != 1.0:
         buf.mul_(scale)
     if group_size == 1:

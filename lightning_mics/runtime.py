@@ -41,6 +41,17 @@ once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor sha
 state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. Only a
 state dict or a save unpins (``quiesce``); the next forward gathers again.
 
+[Note: staging in place]
+A unit released right after its gradients are reduce-scattered no longer needs its full parameters once the
+reduction starts: its backward is done. The rank-major reduce-scatter input is laid out in the unit's own
+full-parameter storage (allocated with room for it: the padded s x S elements in reduce_dtype, when
+reduce_dtype is no wider than param_dtype), instead of in a new buffer of the unit's size. The release then
+leaves the storage allocated until the last reduce-scatter reading it is waited for (``finish_reduce`` frees
+it), and a gather or refresh that writes the storage first waits for those reductions. Units kept gathered
+(the root inside an accumulation window, a pinned unit, a unit still running its forward) stage in a buffer
+of their own as before. On CPU, where a buffer above glibc's mmap threshold is a fresh mapping every time, this
+saves the page faults of one unit-sized buffer per reduction; everywhere it lowers the backward peak by one.
+
 [Note: version counters]
 Autograd saves the full parameters for backward. Between forward and backward their storage is freed and then
 refilled by the re-gather, an in-place write that would bump the version counter and make autograd refuse the
@@ -101,7 +112,7 @@ class _PendingReduce(NamedTuple):
     unit: "Unit"
     bucket: _Bucket
     result: C.ReduceScatterResult
-    keep_alive: Tensor  # the reduce-scatter input, alive until the collective is done
+    in_full: bool  # its input lies in the unit's full-parameter storage ([Note: staging in place])
 
 
 class Unit:
@@ -145,6 +156,11 @@ class Unit:
         self.full_numel = sum(numels)
         self.full_flat = torch.empty(self.full_numel, dtype=self.param_dtype, device=device)
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
+        # [Note: staging in place]: room for the reduce-scatter input of the whole unit after the parameters
+        staging_nbytes = self.s * self.shard_flat.numel() * reduce_dtype.itemsize
+        self._stage_in_full = self.s > 1 and reduce_dtype.itemsize <= self.param_dtype.itemsize
+        self._gathered_nbytes = max(self._full_nbytes, staging_nbytes) if self._stage_in_full else self._full_nbytes
+        self._reading_full: List[dist.Work] = []  # reduce-scatters whose input lies in the full storage
         self.full_views: List[Tensor] = []
         start = 0
         for sp, n in zip(self.params, numels):
@@ -229,8 +245,9 @@ class Unit:
         if self.params:
             res, self._gather = self._gather, None
             out = C.gathered(res, self.log)
+            self._settle_full()
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
-                self.full_flat.untyped_storage().resize_(self._full_nbytes)
+                self.full_flat.untyped_storage().resize_(self._full_nbytes if self.pinned else self._gathered_nbytes)
                 C.copy_out(out, self.full_views, self.s, self.kernels)
         self._swap_full()
         self.state = ShardedState.GATHERED
@@ -252,17 +269,24 @@ class Unit:
             C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)
             self._gather = None
         self._swap_sharded()
-        if self.params:
+        if self.params and not self._reading_full:  # else the last reduce-scatter reading it frees it
             self.full_flat.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
         self.is_prefetched = False
         self.log.live(-self.full_numel)
+
+    def _settle_full(self) -> None:
+        """Before the full storage is written again: the reduce-scatters still reading it are waited for."""
+        for work in self._reading_full:
+            C.wait(work, self.log)
+        self._reading_full.clear()
 
     def refresh(self) -> None:
         """After an optimizer step, a unit still in use gets the new values ([Note: version counters])."""
         if not self.params or self.state is not ShardedState.GATHERED:
             return
         out = C.gathered(self._all_gather(async_op=False), self.log)
+        self._settle_full()
         with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
             C.copy_out(out, self.full_views, self.s, self.kernels)
 
@@ -272,8 +296,9 @@ class Unit:
         for sp in self.params:
             sp.full.grad = None
         self._swap_sharded()
-        if self.params:
+        if self.params and not self._reading_full:  # a collective may still read it: left allocated
             self.full_flat.untyped_storage().resize_(0)
+        self._reading_full.clear()
         if self.state is not ShardedState.SHARDED:
             self.log.live(-self.full_numel)
         self.state = ShardedState.SHARDED
@@ -307,12 +332,15 @@ class Unit:
         assert self.accum is not None
         return [self.accum[sp.offset:sp.offset + sp.rows.padded_numel] for sp in (self.params[i] for i in bucket.slots)]
 
-    def issue_reduce(self) -> List[_PendingReduce]:
+    def issue_reduce(self, releasing: bool = False) -> List[_PendingReduce]:
         """Reduce-scatters the full gradients of the trainable parameters (zeros where this rank has none),
-        bucket by bucket, async; frees the full gradients. ``finish_reduce`` adds the results."""
+        bucket by bucket, async; frees the full gradients. ``finish_reduce`` adds the results. ``releasing``:
+        the unit is released right after, so its full storage can hold the input ([Note: staging in place])."""
         self.needs_reduce = False
         slots = self.trainable()
         pending: List[_PendingReduce] = []
+        in_full = releasing and self._stage_in_full and self.state is ShardedState.GATHERED
+        at = 0  # next free byte of the full storage
         if slots:
             for bucket in self.buckets(slots):
                 grads = []
@@ -326,10 +354,18 @@ class Unit:
                     else:
                         self.got_grad[i] = True
                     grads.append(g)
+                staging = None
+                if in_full:
+                    n = self.s * sum(self.params[i].rows.padded_numel for i in bucket.slots)
+                    staging = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(
+                        self.full_flat.untyped_storage(), at // self.reduce_dtype.itemsize, (self.s, n // self.s))
+                    at += n * self.reduce_dtype.itemsize
                 res = C.reduce_scatter_grads(grads, self.topo.shard_group, self.s, dtype=self.reduce_dtype,
                                              scale=1.0 / self.dp_size, async_op=True, log=self.log,
-                                             kernels=self.kernels)
-                pending.append(_PendingReduce(self, bucket, res, res.output))
+                                             kernels=self.kernels, staging=staging)
+                if in_full and res.work is not None:
+                    self._reading_full.append(res.work)
+                pending.append(_PendingReduce(self, bucket, res, in_full))
         for sp in self.params:
             sp.full.grad = None
         return pending
@@ -350,16 +386,23 @@ class Unit:
 
     def finish_reduce(self, p: _PendingReduce) -> None:
         C.wait(p.result.work, self.log)
-        out = p.result.output
+        self._accumulate(p.bucket, p.result.output)
+        if p.in_full and p.result.work in self._reading_full:
+            self._reading_full.remove(p.result.work)
+            if not self._reading_full and self.state is ShardedState.SHARDED:
+                self.full_flat.untyped_storage().resize_(0)  # the release left it to the last reader
+
+    def _accumulate(self, bucket: _Bucket, out: Tensor) -> None:
+        """Adds a bucket's reduced shard gradients to the window's accumulator."""
         if self.accum is None:
-            if p.bucket.lo == 0 and p.bucket.hi == self.shard_flat.numel():
+            if bucket.lo == 0 and bucket.hi == self.shard_flat.numel():
                 self.accum = out  # the window's first reduction of the whole unit: its output is the accumulator
                 return
             self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
-        if p.bucket.lo >= 0:
-            self.accum[p.bucket.lo:p.bucket.hi].add_(out)
+        if bucket.lo >= 0:
+            self.accum[bucket.lo:bucket.hi].add_(out)
         else:
-            regions = self._regions(p.bucket)
+            regions = self._regions(bucket)
             torch._foreach_add_(regions, list(out.split([r.numel() for r in regions])))
 
     def sync_replicas(self) -> None:
@@ -663,12 +706,15 @@ class MiCSEngine:
         self._release_after_backward(unit)
         unit.training_state = TrainingState.POST_BACKWARD
 
+    def _releases_after_backward(self, unit: Unit) -> bool:
+        if unit.depth > 0 or unit.pinned:  # backward inside the unit's own forward (manual optimization)
+            return False
+        # [Note: keep for backward]: the next micro-batch of this window needs the root first
+        return not (unit is self.units[0] and not self.sync_replicas and self.schedule.keep_for_backward)
+
     def _release_after_backward(self, unit: Unit) -> None:
-        if unit.depth > 0:  # backward inside the unit's own forward (manual optimization): still running
-            return
-        if unit is self.units[0] and not self.sync_replicas and self.schedule.keep_for_backward:
-            return  # [Note: keep for backward]: the next micro-batch of this window needs the root first
-        unit.release()
+        if self._releases_after_backward(unit):
+            unit.release()
 
     def _reduce_now(self) -> bool:
         """Reduce-scatter every micro-batch, except with optimizer-state-only sharding: there the full
@@ -676,7 +722,7 @@ class MiCSEngine:
         return self.sync_replicas or not self.optimizer_state_only
 
     def _reduce(self, unit: Unit) -> None:
-        self._pending_reduces.extend(unit.issue_reduce())
+        self._pending_reduces.extend(unit.issue_reduce(releasing=self._releases_after_backward(unit)))
         while len(self._pending_reduces) > 1:  # one reduce-scatter in flight while the next one is built
             p = self._pending_reduces.pop(0)
             p.unit.finish_reduce(p)

@@ -151,3 +151,28 @@ def test_replicated_gradients_are_reduced_in_buckets_during_backward(tmp_path):
         world = [i for i, (op, g) in enumerate(ops) if op == "all_reduce" and g == WORLD_T]
         scatters = [i for i, (op, g) in enumerate(ops) if op == "reduce_scatter"]
         assert len(world) > 1 and world[0] < scatters[-1], ops
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, precision):
+    """[Note: staging in place] in runtime.py: a unit released after its reduce-scatter lays the input out in
+    its own full-parameter storage, which is freed once the collective is done; the root, kept gathered inside
+    the accumulation window, stages elsewhere until the boundary. Under bf16-mixed the fp32 input does not fit
+    the bf16 storage: every unit stages in a buffer of its own. The result equals one plain process."""
+    accum = 2
+    res = run_ranks(REPO / "tests" / "scripts" / "staging.py", 4, ["--accum", str(accum), "--steps", "2",
+                                                                   "--precision", precision], tmp_path)
+    for r in res:
+        root, blocks = r["units"][0], r["units"][1:]
+        assert len(blocks) == 2 and len(r["staged"]) == 2 * accum, r
+        for i, (staged, held) in enumerate(zip(r["staged"], r["held"])):
+            boundary = (i + 1) % accum == 0
+            if precision == "bf16-mixed":
+                expect = [None] * (len(blocks) + 1)
+            else:
+                expect = [*blocks, root if boundary else None]
+            assert sorted(staged, key=str) == sorted(expect, key=str), (r["rank"], i, staged)
+            # after the batch: nothing left allocated but the root inside the window
+            assert held == ([] if boundary else [root]), (r["rank"], i, held)
+    if precision == "32-true":
+        assert res[0]["max_rel"] < 1e-5, res[0]["max_rel"]

@@ -164,7 +164,7 @@ class Estimate:
     activations: Optional[int]
     gathered_elements: int  # peak of gathered parameter elements (telemetry's mem/gathered_elements_peak)
     gathered: int  # bytes of those
-    buffers: int  # transient: the largest unit's all-gather output and reduce-scatter input
+    buffers: int  # transient: the largest unit's all-gather output and reduce-scatter input (if not in place)
     comm: Dict[str, Dict[str, int]]  # "<op>/<group>" -> {"bytes", "calls"} per optimizer step (telemetry's keys)
     link_bytes: Dict[str, int]  # intra-node / inter-node / replica
     comm_seconds: float
@@ -475,7 +475,10 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     comm = comm_per_step(spec, st, s)
     peak = _gathered_peak(units, st)
     largest = max(units, key=lambda u: u.shard_numel)
-    buffers = s * largest.shard_numel * (gathered + reduce) if s > 1 else 0
+    # the reduce-scatter input lies in the unit's own storage when it fits and the unit is released after it
+    # ([Note: staging in place] in runtime.py); the root inside an accumulation window stages apart
+    in_place = reduce <= gathered and not (largest is units[0] and st.accumulation > 1)
+    buffers = s * largest.shard_numel * (gathered + (0 if in_place else reduce)) if s > 1 else 0
     links = {k: 0 for k in LINKS}
     for key, e in comm.items():
         links[_link_of(key, st, s)] += e["bytes"]
