@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from lightning_mics import checkpoint_files as files
 from lightning_mics.checkpoint_files import CheckpointError, set_element
-from lightning_mics.placement import is_sharded, local
+from lightning_mics.placement import as_dtensor, is_sharded, local
 from lightning_mics.runtime import MiCSEngine, Scratch
 
 
@@ -47,18 +47,23 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
                          dst: Optional[int] = 0) -> Dict[str, Any]:
     """The optimizer's state dict with full-shape CPU tensors, as one plain process would have it.
 
-    Collective over the shard group of ``dst`` (a global rank; ``None``: every rank, all of them take part).
-    Sharded state (DTensors with a Shard placement) is gathered unit by unit and key by key, so no rank holds
-    more than one unit's worth of one state key beyond its shards; returns {} on ranks other than ``dst``.
+    Collective over the shard group of ``dst`` (a global rank; ``None``: every rank, all of them take part; with
+    tensor parallelism every rank takes part, and the tensor-parallel parts are gathered too, as in
+    ``MiCSEngine.full_state_dict``). Sharded state (DTensors with a Shard placement) is gathered unit by unit and
+    key by key, so no rank holds more than one unit's worth of one state key beyond its shards; returns {} on
+    ranks other than ``dst``.
     """
     engine.quiesce()
     rank = dist.get_rank()
     keep = dst is None or rank == dst
-    takes_part = dst is None or rank in engine.topo.layout.shard_group_of(dst)
+    tp = engine.topo.layout.tp_size > 1
+    takes_part = tp or dst is None or rank in engine.topo.layout.shard_group_of(dst)
     sd = optimizer.state_dict()  # state keyed by position in param_groups order
     params = [p for g in optimizer.param_groups for p in g["params"]]
     index_of = {id(p): k for k, p in enumerate(params)}
+    slots = _slots(engine)
     out: Dict[int, Dict[str, Any]] = defaultdict(dict)
+    done = set()  # (index, state key) gathered with the units
     scratch = Scratch()
     if takes_part:
         for unit in engine.units:
@@ -70,18 +75,29 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
                     if is_sharded(v):
                         groups.setdefault((name, v.dtype), [None] * len(unit.params))[i] = local(v)
             for (name, dtype), locals_ in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-                fulls = unit.gather_rows(locals_, dtype, dst, scratch)
-                if keep and fulls is not None:
-                    for sp, f in zip(unit.params, fulls):
-                        if f is not None:
-                            out[index_of[id(sp.sharded)]][name] = f.cpu()
+                fulls = unit.gather_rows(locals_, dtype, None if tp else dst, scratch)
+                for sp, f in zip(unit.params, fulls or ()):
+                    if f is None:
+                        continue
+                    k = index_of[id(sp.sharded)]
+                    done.add((k, name))
+                    if sp.tp_spec is not None:  # collective over the tensor-parallel group
+                        f = as_dtensor(f, sp.tp_spec).full_tensor()
+                    if keep:
+                        out[k][name] = f.cpu()
+    if not (keep or tp):
+        return {}
+    for k, st in sorted(sd["state"].items()):  # the same order on every rank
+        slot = slots.get(id(params[k]))
+        for name, v in st.items():
+            if (k, name) in done:
+                continue
+            if tp and slot is not None and slot.tp_spec is not None and isinstance(v, Tensor) and v.dim() > 0:
+                v = as_dtensor(local(v), slot.tp_spec).full_tensor()  # a replicated parameter's tensor-parallel parts
+            if keep:
+                out[k][name] = local(v).detach().cpu().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
     if not keep:
         return {}
-    for k, st in sd["state"].items():
-        for name, v in st.items():
-            if name in out[k]:
-                continue
-            out[k][name] = local(v).detach().cpu().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
     return {"state": {k: out[k] for k in sorted(sd["state"])}, "param_groups": copy.deepcopy(sd["param_groups"])}
 
 
@@ -96,7 +112,7 @@ def load_full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimiz
         slot = slots.get(id(p))
         new = {}
         for name, v in st.items():
-            if isinstance(v, Tensor) and slot is not None and v.dim() > 0 and tuple(v.shape) == tuple(slot.shape):
+            if isinstance(v, Tensor) and slot is not None and v.dim() > 0 and v.shape == slot.global_shape:
                 v = slot.wrap(slot.local_rows_of(v.to(engine.device)).clone())
             new[name] = v
         state[int(k)] = new

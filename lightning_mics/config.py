@@ -113,9 +113,6 @@ class MiCSConfig:
         if self.shard_optimizer_state and not self.reshard_after_forward:
             _fail("reshard_after_forward", False,
                   "True (the default) with shard_optimizer_state=True: parameters are never resharded then")
-        if self.tensor_parallel_degree > 1 and self.state_dict_type == "full":
-            _fail("state_dict_type", "full", "'sharded' with tensor_parallel_degree > 1 (the full optimizer state "
-                  "of tensor-parallel parameters is not gathered yet; lightning_module_state_dict() is)")
         if self.tensor_parallel_degree > 1 and self.shard_optimizer_state:
             _fail("shard_optimizer_state", True, "False with tensor_parallel_degree > 1")
         if self.prescaled_batch and self.tensor_parallel_degree == 1:

@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from lightning_mics.sharding import ParamRef
 
@@ -110,6 +111,15 @@ def local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def tp_part(full: Tensor, tp_spec: Optional[DTensorSpec]) -> Tensor:
+    """This rank's tensor-parallel part of a global tensor (a view; the tensor itself without tensor
+    parallelism): what a full checkpoint holds, cut as the user's placement cuts the parameter."""
+    if tp_spec is None:
+        return full
+    shape, offset = compute_local_shape_and_global_offset(full.shape, tp_spec.mesh, tp_spec.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
 @dataclass(frozen=True)
 class Rows:
     """Where rank ``rank`` of ``s`` finds its chunk of a (d0, *rest) parameter."""
@@ -150,6 +160,7 @@ class ShardedParam:
         self.fqn = refs[0].fqn
         self.tp_spec = tp_spec_of(orig)  # [Note: tensor-parallel placement]
         self.shape = local(orig).shape  # of the full parameter on this rank (its tensor-parallel local part)
+        self.global_shape = orig.shape  # with tensor parallelism, of all tensor-parallel parts together
         self.rows = rows
         self.offset = offset  # start of the padded region in the unit's flat shard
         self.spec = make_spec(mesh, True, orig.shape, flat_shard.dtype, tp_placement(orig))
@@ -166,11 +177,17 @@ class ShardedParam:
 
     @torch.no_grad()
     def copy_rows_from_full(self, full: Tensor) -> None:
-        """This rank's rows of a full tensor into the shard (padding stays zero)."""
+        """This rank's rows of a full tensor (of ``self.shape``: the tensor-parallel part) into the shard
+        (padding stays zero)."""
         self.local.copy_(full[self.rows.lo:self.rows.hi])
 
     def local_rows_of(self, full: Tensor) -> Tensor:
-        return full[self.rows.lo:self.rows.hi]
+        """This rank's rows of a global tensor (of ``self.global_shape``, e.g. from a full checkpoint)."""
+        return tp_part(full, self.tp_spec)[self.rows.lo:self.rows.hi]
+
+    def copy_from_global(self, full: Tensor) -> None:
+        with torch.no_grad():
+            self.local.copy_(self.local_rows_of(full))
 
     def make_full(self, view: Tensor) -> nn.Parameter:
         """The Parameter the modules hold while the unit runs: ``view`` itself, or with tensor parallelism a
@@ -194,6 +211,7 @@ class ReplicatedParam:
         self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
         data = local(orig).detach()
         self.shape = data.shape
+        self.global_shape = orig.shape
         if data.is_meta:
             data = torch.empty(data.shape, dtype=orig.dtype, device=device)
         elif data.device != device:
@@ -208,12 +226,13 @@ class ReplicatedParam:
     def requires_grad(self) -> bool:
         return self.sharded.requires_grad
 
-    @torch.no_grad()
-    def copy_rows_from_full(self, full: Tensor) -> None:
-        self.local.copy_(full)
-
     def local_rows_of(self, full: Tensor) -> Tensor:
-        return full
+        """This rank's part of a global tensor: the tensor-parallel part, or the whole tensor."""
+        return tp_part(full, self.tp_spec)
+
+    def copy_from_global(self, full: Tensor) -> None:
+        with torch.no_grad():
+            self.local.copy_(self.local_rows_of(full))
 
     def wrap(self, local_tensor: Tensor) -> DTensor:
         return as_dtensor(local_tensor, self.spec)

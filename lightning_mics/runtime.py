@@ -841,7 +841,7 @@ class MiCSEngine:
             src = state[name].to(self.device)
             slot = by_id.get(id(t))
             if slot is not None:
-                slot.copy_rows_from_full(src)
+                slot.copy_from_global(src)
             else:
                 local(t).copy_(src)
 

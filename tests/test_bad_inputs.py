@@ -76,8 +76,6 @@ CASES = [
      ["shard_optimizer_state=True", "allowed is False with tensor_parallel_degree > 1"]),
     ("prescaled-without-tp", INIT, {"prescaled_batch": True}, [],
      ["prescaled_batch=True", "allowed is True only with tensor_parallel_degree > 1"]),
-    ("tp-with-full-state-dict", INIT, {"tensor_parallel_degree": 2, "state_dict_type": "full"}, [],
-     ["state_dict_type='full'", "allowed is 'sharded' with tensor_parallel_degree > 1"]),
     # against the world and the precision (validate_world and the precision check, when the Trainer is made)
     ("degree-not-dividing-world", INIT, {"sharded_data_parallel_degree": 3}, [],
      ["sharded_data_parallel_degree=3", "allowed is a divisor of the world size 2: [1, 2]"]),

@@ -144,13 +144,15 @@ def _tp_matches(res):
         assert e["moved"] > 0, name
 
 
-@pytest.mark.parametrize("args", [["--s", "2", "--resume"], ["--s", "1", "--prescaled", "--clip", "0.05"]],
+@pytest.mark.parametrize("args", [["--s", "2", "--resume", "--full"], ["--s", "1", "--prescaled", "--clip", "0.05"]],
                          ids=["t2-s2-resumed", "t2-s1-prescaled-clipped"])
 def test_tensor_parallel_matches_single_process(tmp_path, args):
     """t = 2 on 4 ranks, attention and MLP column/row-parallel in configure_model on device_mesh["tp"];
     sharding over the tensor-parallel local parameters; the same global batches as one plain process. With
     --resume: a sharded checkpoint (DCP) saved after the run and resumed for one more step equals the run
-    that was not interrupted, bit for bit."""
+    that was not interrupted, bit for bit; with --full, so does a full checkpoint file (global tensors, parameters
+    and optimizer state) and the sharded checkpoint consolidated into one file, and the full file resumed at t = 1
+    equals it up to summation order."""
     res = run_ranks(TP_SCRIPT, 4, ["--t", "2", *args], tmp_path)
     _tp_matches(res)
     prescaled = "--prescaled" in args
@@ -163,6 +165,13 @@ def test_tensor_parallel_matches_single_process(tmp_path, args):
         assert r["losses"] == res[rank ^ 1]["losses"]
     if "--resume" in args:
         assert res[0]["resumed_max_abs"] == 0.0
+    if "--full" in args:
+        full = res[0]["full_ckpt"]
+        assert full["file_shapes_ok"] and full["optimizer_shapes_ok"], full
+        assert max(full["full_same_t"].values()) == 0.0, full["full_same_t"]
+        assert max(full["consolidated_same_t"].values()) == 0.0, full["consolidated_same_t"]
+        for name, rel in full["full_t1"].items():  # one step at t = 1: summation order only
+            assert rel <= (1e-3 if name.endswith("attn.k.bias") else 1e-5), (name, rel)
     # at start, every rank logs the mesh, its groups and the bytes it holds
     log = (tmp_path / "rank1.log").read_text()
     assert "mesh (1, 2, 2) ('replicate', 'shard', 'tp')" in log or "mesh (2, 1, 2)" in log, log[:2000]

@@ -151,6 +151,8 @@ def main():
     ap.add_argument("--prescaled", action="store_true")
     ap.add_argument("--resume", action="store_true", help="also: sharded checkpoint after the epoch, resume, "
                     "one more step; against the same run without the interruption")
+    ap.add_argument("--full", action="store_true", help="also: a full checkpoint file (state_dict_type='full') "
+                    "resumed at t and at t=1, and the sharded checkpoint consolidated and resumed at t")
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     readers = world // args.t if args.prescaled else world  # sampler shards
@@ -171,9 +173,10 @@ def main():
                 order[perm[k + readers * (i * args.batch + m)]] = i * per_step + k * args.batch + m
     train = DataLoader(TensorDataset(x[order], y[order]), batch_size=args.batch)
 
-    def fit(steps, callbacks=(), ckpt_path=None):
-        strategy = MiCSStrategy(sharded_data_parallel_degree=args.s, tensor_parallel_degree=args.t,
-                                prescaled_batch=args.prescaled, param_persistence_threshold=0)
+    def fit(steps, callbacks=(), ckpt_path=None, t=args.t, state_dict_type="sharded"):
+        strategy = MiCSStrategy(sharded_data_parallel_degree=args.s, tensor_parallel_degree=t,
+                                prescaled_batch=args.prescaled, param_persistence_threshold=0,
+                                state_dict_type=state_dict_type)
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
                             gradient_clip_val=args.clip or None, enable_progress_bar=False,
                             enable_model_summary=False, logger=False, enable_checkpointing=False,
@@ -195,8 +198,11 @@ def main():
         got = again.strategy.lightning_module_state_dict()
         if rank == 0:
             resumed_err = max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+    full_ckpt = {}
+    if args.full:
+        full_ckpt = full_checkpoints(args, rank, fit, trainer)
     result = {"rank": rank, "global_step": trainer.global_step, "comms": count.per_batch, "losses": module.losses,
-              "resumed_max_abs": resumed_err,
+              "resumed_max_abs": resumed_err, "full_ckpt": full_ckpt,
               "sampler": trainer.strategy.distributed_sampler_kwargs,
               "tp_placements": sorted({str(getattr(p, "placements", None)) for p in module.parameters()})}
     if rank == 0:
@@ -208,6 +214,44 @@ def main():
                        "moved": (r - init[k]).norm().item(), "shape_ok": list(got.shape) == list(r.shape)}
         result["errors"] = errs
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+
+
+def full_checkpoints(args, rank, fit, trainer):
+    """A full checkpoint of the tensor-parallel run: the file holds global tensors (parameters and optimizer
+    state); resumed at the same t it equals the uninterrupted run exactly, and resumed at t = 1 (each rank cuts
+    its own part) it equals it up to summation order. The sharded checkpoint, consolidated into one file,
+    resumes at t the same way."""
+    out = Path(args.out)
+    trainer.strategy.config.state_dict_type = "full"  # the same trained state, saved as one file
+    trainer.save_checkpoint(out / "tp_full.ckpt")
+    trainer.strategy.config.state_dict_type = "sharded"
+    trainer.save_checkpoint(out / "tp_sharded.ckpt")
+    if rank == 0:
+        from lightning_mics.checkpoint import consolidate
+
+        torch.save(consolidate(out / "tp_sharded.ckpt"), out / "tp_consolidated.ckpt")
+    trainer.strategy.barrier()
+    straight, _ = fit(args.steps + 1, state_dict_type="full")
+    want = straight.strategy.lightning_module_state_dict()
+    runs = {"full_same_t": fit(args.steps + 1, ckpt_path=out / "tp_full.ckpt", state_dict_type="full")[0],
+            "full_t1": fit(args.steps + 1, ckpt_path=out / "tp_full.ckpt", t=1)[0],
+            "consolidated_same_t": fit(args.steps + 1, ckpt_path=out / "tp_consolidated.ckpt")[0]}
+    got = {name: t.strategy.lightning_module_state_dict() for name, t in runs.items()}
+    if rank != 0:
+        return {}
+    res = {}
+    for name, sd in got.items():
+        res[name] = {k: ((sd[k].float() - v.float()).norm() / v.float().norm().clamp_min(1e-12)).item()
+                     for k, v in want.items()}
+    saved = torch.load(out / "tp_full.ckpt", weights_only=False)
+    plain = {f"model.{k}": v for k, v in build().state_dict().items()}
+    res["file_shapes_ok"] = all(tuple(saved["state_dict"][k].shape) == tuple(v.shape) for k, v in plain.items())
+    params = list(build().parameters())  # configure_optimizers: self.parameters(), the same order
+    states = saved["optimizer_states"][0]["state"]
+    res["optimizer_shapes_ok"] = len(states) == len(params) and all(
+        tuple(v.shape) == tuple(params[int(k)].shape) for k, st in states.items() for n, v in st.items()
+        if torch.is_tensor(v) and v.dim() > 0)
+    return res
 
 
 if __name__ == "__main__":
