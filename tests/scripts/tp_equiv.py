@@ -220,7 +220,7 @@ def full_checkpoints(args, rank, fit, trainer):
     """A full checkpoint of the tensor-parallel run: the file holds global tensors (parameters and optimizer
     state); resumed at the same t it equals the uninterrupted run exactly, and resumed at t = 1 (each rank cuts
     its own part) it equals it up to summation order. The sharded checkpoint, consolidated into one file,
-    resumes at t the same way."""
+    resumes at t the same way; the sharded directory itself resumes at t = 1 (DCP reshards)."""
     out = Path(args.out)
     trainer.strategy.config.state_dict_type = "full"  # the same trained state, saved as one file
     trainer.save_checkpoint(out / "tp_full.ckpt")
@@ -235,7 +235,8 @@ def full_checkpoints(args, rank, fit, trainer):
     want = straight.strategy.lightning_module_state_dict()
     runs = {"full_same_t": fit(args.steps + 1, ckpt_path=out / "tp_full.ckpt", state_dict_type="full")[0],
             "full_t1": fit(args.steps + 1, ckpt_path=out / "tp_full.ckpt", t=1)[0],
-            "consolidated_same_t": fit(args.steps + 1, ckpt_path=out / "tp_consolidated.ckpt")[0]}
+            "consolidated_same_t": fit(args.steps + 1, ckpt_path=out / "tp_consolidated.ckpt")[0],
+            "sharded_t1": fit(args.steps + 1, ckpt_path=out / "tp_sharded.ckpt", t=1)[0]}
     got = {name: t.strategy.lightning_module_state_dict() for name, t in runs.items()}
     if rank != 0:
         return {}
