@@ -151,6 +151,7 @@ def main():
     ap.add_argument("--prescaled", action="store_true")
     ap.add_argument("--resume", action="store_true", help="also: sharded checkpoint after the epoch, resume, "
                     "one more step; against the same run without the interruption")
+    ap.add_argument("--precision", default="32-true")
     ap.add_argument("--full", action="store_true", help="also: a full checkpoint file (state_dict_type='full') "
                     "resumed at t and at t=1, and the sharded checkpoint consolidated and resumed at t")
     args = ap.parse_args()
@@ -178,7 +179,7 @@ def main():
                                 prescaled_batch=args.prescaled, param_persistence_threshold=0,
                                 state_dict_type=state_dict_type)
         trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
-                            gradient_clip_val=args.clip or None, enable_progress_bar=False,
+                            gradient_clip_val=args.clip or None, enable_progress_bar=False, precision=args.precision,
                             enable_model_summary=False, logger=False, enable_checkpointing=False,
                             callbacks=list(callbacks))
         module = Module()
@@ -211,6 +212,7 @@ def main():
         for k, r in ref.items():
             got = full[f"model.{k}"].float()
             errs[k] = {"rel_norm": (got - r).norm().item() / max(r.norm().item(), 1e-12),
+                       "diff_norm": (got - r).norm().item(), "ref_norm": r.norm().item(),
                        "moved": (r - init[k]).norm().item(), "shape_ok": list(got.shape) == list(r.shape)}
         result["errors"] = errs
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
