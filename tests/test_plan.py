@@ -13,7 +13,7 @@ import math
 import subprocess
 import sys
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -21,7 +21,8 @@ import torch
 import lightning_mics
 from lightning_mics.app.models import GPT, GPTConfig
 from lightning_mics.plan import Settings, comm_per_step, estimate, model_state_bytes
-from lightning_mics.plan.models import APP_GPT_DEFAULTS, REFERENCE_MODELS, from_gpt_config, from_module, resolve
+from lightning_mics.plan.models import (APP_GPT_DEFAULTS, REFERENCE_MODELS, ModelSpec, ParamShape, UnitShapes,
+                                        from_gpt_config, from_module, resolve)
 from lightning_mics.topology import plan_layout
 from tests.helpers.launch import REPO, run_ranks
 
@@ -114,6 +115,24 @@ def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
         assert est.gathered_elements == stats["mem/gathered_elements_peak"], (v, est.gathered_elements)
 
 
+@pytest.mark.distributed
+def test_planner_matches_tensor_parallel_model_state(tmp_path):
+    """t = 2 (every block's MLP column- then row-parallel in configure_model) and s = 2 on 4 ranks: the planner,
+    given the parallelized module (DTensor parameters: global shapes, Shard(0) and Shard(1)), predicts every
+    rank's model-state bytes exactly."""
+    v = dict(model="gpt", sharded_data_parallel_degree=2, tensor_parallel_degree=2, param_persistence_threshold=100)
+    res = run_ranks(SCRIPT, WORLD, ["--variants", json.dumps([v])], tmp_path)
+    st = replace(_settings(v), tensor_parallel_degree=2)
+    for rank in range(WORLD):
+        r = res[rank]["variants"][0]
+        spec = ModelSpec("gpt (parallelized)", [UnitShapes(name, [ParamShape(tuple(shape), trainable, tp, dim)
+                                                                  for shape, trainable, tp, dim in params])
+                                                for name, params in r["spec"]], source="nn.Module")
+        assert sorted(p.tp_dim for u in spec.units for p in u.params if p.tp) == [0] * 6 + [1] * 3, r["spec"]
+        shard_rank = rank // 2  # mesh (r, s, t) = arange(4).view(1, 2, 2)
+        assert model_state_bytes(spec, st, 2, shard_rank) == r["state"], (rank, r["state"])
+
+
 # -- the seeds' reference configurations -------------------------------------------------------------------
 
 P4D = dict(instance="p4d.24xlarge", seq_len=2048, precision="bf16-mixed", optimizer="adamw",
@@ -146,7 +165,7 @@ def test_seed_gpt_neox_65b_needs_tensor_parallelism():
                                   activation_offload=True, **P4D)
     assert 64e9 < with_tp.model.n_params < 66e9
     assert with_tp.estimate(16).fits and with_tp.estimate(16).r == 4
-    assert "arithmetic only" in with_tp.explain()
+    assert "Megatron-style plan" in with_tp.explain()
     # the same 512 GPUs without tensor parallelism: at s=16 the model state alone (65e9 x 16 B / 16) is over 40 GiB
     no_tp = lightning_mics.plan("gpt-neox-65b", nodes=64, micro_batch=8, activation_offload=True, degrees=[16], **P4D)
     assert no_tp.estimate(16).model_state["total"] > 40 * 2**30 and not no_tp.estimate(16).fits

@@ -326,10 +326,12 @@ def _split(units: List[UnitShapes], st: Settings, s: int, rank: int) -> List[_Un
         sharded, replicated, padded, local = [], [], [], []
         for p in u.params:
             shape = p.shape
+            replicate = stays_replicated(shape, st.param_persistence_threshold, s)  # the global shape, as the engine
             if p.tp and t > 1 and shape:
-                shape = (math.ceil(shape[0] / t),) + tuple(shape[1:])
+                d = p.tp_dim
+                shape = shape[:d] + (math.ceil(shape[d] / t),) + tuple(shape[d + 1:])
             p = ParamShape(shape, p.trainable)
-            if stays_replicated(shape, st.param_persistence_threshold, s):
+            if replicate:
                 replicated.append(p)
                 continue
             rows = Rows(shape[0], math.prod(shape[1:]), s, rank)
@@ -511,9 +513,14 @@ def plan(model: Any, *, instance: Optional[str] = None, degrees: Optional[Sequen
     estimates = [estimate(spec, st, s) for s in valid]
     recommended = next((e for e in estimates if e.fits), None)
     notes = []
-    if st.tensor_parallel_degree > 1:
-        notes.append(f"t={st.tensor_parallel_degree} is arithmetic only: MiCSStrategy has no tensor parallelism yet "
-                     "(Megatron-style split of attention, MLP, embeddings and head; norms replicated).")
+    if st.tensor_parallel_degree > 1 and not any(p.tp for u in spec.units for p in u.params):
+        notes.append(f"t={st.tensor_parallel_degree}, but no parameter of this model is marked tensor-parallel: "
+                     "plan a module after parallelizing it (its DTensor parameters) or a transformer layout.")
+    elif st.tensor_parallel_degree > 1:
+        notes.append(f"t={st.tensor_parallel_degree}: the tensor-parallel parts are those of "
+                     + ("the module's own plan." if spec.source.startswith("nn.Module") else
+                        "a Megatron-style plan (attention and MLP column- then row-parallel, embeddings and head "
+                        "split on the vocabulary, norms whole)."))
     return Plan(spec, st, estimates, recommended, notes)
 
 

@@ -12,9 +12,12 @@ A :class:`ModelSpec` comes from one of:
 - a parameter count (``20e9``, ``"1.3B"``): ``n_layer`` equal units of one flat parameter each, no embeddings, no
   activation estimate (the shape is unknown).
 
-Transformer dimensions, where known, feed the activation estimate. ``tp`` marks the tensors a Megatron-style
-tensor-parallel layout splits (attention and MLP matrices and their column biases, embeddings and head); the
-planner divides their first dimension by t. The strategy has no tensor parallelism yet: t is arithmetic only.
+Transformer dimensions, where known, feed the activation estimate. ``tp`` marks the tensors a tensor-parallel
+plan splits, and ``tp_dim`` the dimension: for the transformer layouts a Megatron-style plan (attention and MLP
+matrices column- then row-parallel, the column biases, embeddings and head split on the vocabulary); for a
+module, what its parameters already are (DTensors on a 1-D mesh with a Shard placement, as ``configure_model``
+leaves them under ``tensor_parallel_degree``). The planner cuts that dimension into ceil(d / t) (tensor-parallel
+rank 0's part, as DTensor cuts it).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from lightning_mics.sharding import plan_sharding, resolve_classes
 class ParamShape:
     shape: Tuple[int, ...]
     trainable: bool = True
-    tp: bool = False  # split on dim 0 by tensor parallelism
+    tp: bool = False  # split by tensor parallelism
+    tp_dim: int = 0  # along this dimension
 
 
 @dataclass
@@ -82,9 +86,17 @@ def _fail(option: str, value: Any, allowed: str) -> None:
 def from_module(module: nn.Module, shard_units: Optional[List[Any]] = None) -> ModelSpec:
     """The engine's units of ``module`` (threshold 0 here: the planner applies the threshold per s)."""
     plan = plan_sharding(module, resolve_classes(shard_units, "shard_units"), 0, 2)
-    units = [UnitShapes(u.path, [ParamShape(tuple(pp.param.shape), pp.param.requires_grad)
-                                 for pp in (*u.params, *u.replicated)]) for u in plan.units]
+    units = [UnitShapes(u.path, [_param_shape(pp.param) for pp in (*u.params, *u.replicated)]) for u in plan.units]
     return ModelSpec(type(module).__name__, units, source="nn.Module (the engine's own unit rule)")
+
+
+def _param_shape(p: nn.Parameter) -> ParamShape:
+    """Global shape; for a tensor-parallel DTensor (1-D mesh, Shard(d)) also the dimension it is split along."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor) and p.device_mesh.ndim == 1 and p.placements[0].is_shard():
+        return ParamShape(tuple(p.shape), p.requires_grad, tp=True, tp_dim=p.placements[0].dim)
+    return ParamShape(tuple(p.shape), p.requires_grad)
 
 
 # -- transformer layouts ------------------------------------------------------------------------------------
@@ -92,7 +104,8 @@ def from_module(module: nn.Module, shard_units: Optional[List[Any]] = None) -> M
 def _block(h: int, f: int, bias: bool, kv: int, gated: bool, norm_bias: bool, conv1d: bool = False) -> List[ParamShape]:
     """One decoder block's parameters, in module order (norms, attention, norm, MLP)."""
     def lin(out: int, inp: int, col: bool) -> List[ParamShape]:
-        w = ParamShape((inp, out) if conv1d else (out, inp), tp=True)
+        split = (0 if col else 1) if not conv1d else (1 if col else 0)  # the output dim if column-parallel
+        w = ParamShape((inp, out) if conv1d else (out, inp), tp=True, tp_dim=split)
         return [w] + ([ParamShape((out,), tp=col)] if bias else [])
 
     norm = [ParamShape((h,))] + ([ParamShape((h,))] if norm_bias else [])

@@ -58,6 +58,21 @@ class Module(L.LightningModule):
         super().__init__()
         self.model = build(name)
         self.optimizer = optimizer
+        self.spec = None  # with tensor parallelism: the planner's view of the parallelized module
+
+    def configure_model(self):
+        """With tensor_parallel_degree > 1: every block's MLP column- then row-parallel on device_mesh["tp"]."""
+        if "tp" not in self.device_mesh.mesh_dim_names:
+            return
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        from lightning_mics.plan.models import from_module
+
+        for block in self.model.h:
+            parallelize_module(block, self.device_mesh["tp"], {"mlp.c_fc": ColwiseParallel(),
+                                                               "mlp.c_proj": RowwiseParallel()})
+        spec = from_module(self.model)
+        self.spec = [[u.name, [[list(p.shape), p.trainable, p.tp, p.tp_dim] for p in u.params]] for u in spec.units]
 
     def training_step(self, batch, idx):
         return self.model.loss(*batch)
@@ -116,8 +131,9 @@ def main() -> None:
                             enable_model_summary=False, logger=False, enable_checkpointing=False,
                             callbacks=[record], use_distributed_sampler=False)
         torch.manual_seed(0)
-        trainer.fit(Module(model, optimizer), loader)
-        results.append({"state": record.state, "steps": record.steps, "stats": record.stats})
+        module = Module(model, optimizer)
+        trainer.fit(module, loader)
+        results.append({"state": record.state, "steps": record.steps, "stats": record.stats, "spec": module.spec})
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps({"rank": rank, "variants": results}))
 
 
