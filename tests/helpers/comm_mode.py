@@ -38,7 +38,10 @@ class CommCounter(TorchDispatchMode):
             out = func(*args, **kwargs)
             if func.namespace == "c10d" and _NAMES.get(func._schema.name.split("::")[-1]) == "all_gather":
                 self.live.on_all_gather(args[0] if isinstance(args[0], torch.Tensor) else args[0][0])
-            self.live.sample()
+            self.live.sample()  # the op's inputs still count while it runs
+            if func.namespace != "c10d" and not func.is_view:  # a view of an output is not its copy-out
+                self.live.read_by_compute(t for a in (*args, *kwargs.values())
+                                          for t in (a if isinstance(a, (list, tuple)) else (a,)))
             self._count(func, args, kwargs)
             return out
         self._count(func, args, kwargs)

@@ -2,9 +2,10 @@
 
 Alive at a given moment: (a) the storages of the plain (non-DTensor) parameters the modules hold, except the
 masters the optimizer steps (a replicated parameter's plain twin shares its master's storage); (b) every
-all-gather output buffer that someone besides this meter still holds (``_storage_Use_Count`` > 1). On gloo,
-(b) includes an output for as long as the communication thread takes to drop its Work after the wait returns,
-so it varies from run to run on a loaded machine; ``peak_param_bytes`` is (a) alone.
+all-gather output buffer that someone besides this meter still holds (``_storage_Use_Count`` > 1), until a
+computation (not a collective) has read it: its copy-out, after which the engine is done with it. Without that
+last rule (b) would include an output for as long as gloo's communication thread takes to drop its Work after
+the wait returns, which on a loaded machine can be several ops later. ``peak_param_bytes`` is (a) alone.
 """
 
 from __future__ import annotations
@@ -26,6 +27,15 @@ class LiveMeter:
 
     def on_all_gather(self, output: torch.Tensor) -> None:
         self.pending.append(output.untyped_storage())
+
+    def read_by_compute(self, inputs: Iterable[object]) -> None:
+        """A non-communication op read these: an all-gather output among them has been copied out."""
+        if not self.pending:
+            return
+        ptrs = {t.untyped_storage().data_ptr() for t in inputs
+                if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and not t.is_meta}
+        if ptrs:
+            self.pending = [st for st in self.pending if st.data_ptr() not in ptrs]
 
     def sample(self) -> None:
         seen, total = set(), 0
