@@ -57,6 +57,8 @@ VARIANTS = [
          accum=2, precision="bf16-mixed"),  # two-hop all-gather over 2 simulated nodes, bf16 gathers
     dict(model="demo", optimizer="sgd_momentum", sharded_data_parallel_degree=2, param_persistence_threshold=100,
          accum=2, reduce_bucket_size=3000),  # several gradient buckets per unit and for the replicated ones
+    dict(model="gpt", sharded_data_parallel_degree=1, shard_optimizer_state=True, param_persistence_threshold=100,
+         accum=2, precision="bf16-mixed"),  # optimizer state over all 4 ranks, full parameters kept (ZeRO-1)
 ]
 
 
@@ -65,7 +67,8 @@ def _settings(v):
     return Settings(nodes=WORLD // p, gpus_per_node=p, precision=v.get("precision", "32-true"),
                     optimizer=v.get("optimizer", "adamw"), accumulation=v.get("accum", 1),
                     param_persistence_threshold=v["param_persistence_threshold"], prefetch=v.get("prefetch", 1),
-                    reduce_bucket_size=v.get("reduce_bucket_size", 500_000_000))
+                    reduce_bucket_size=v.get("reduce_bucket_size", 500_000_000),
+                    shard_optimizer_state=v.get("shard_optimizer_state", False))
 
 
 def _group_name(op, group, layout, rank=0):
@@ -90,7 +93,8 @@ def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
         spec = lightning_mics.plan(build(v["model"]), degrees=[s], **asdict(st)).model
         for rank in range(WORLD):
             got = res[rank]["variants"][i]["state"]
-            want = model_state_bytes(spec, st, s, rank % s)
+            group = WORLD if v.get("shard_optimizer_state") else s  # the shard group's size
+            want = model_state_bytes(spec, st, s, rank % group)
             for key in ("params", "grads", "optimizer", "total"):
                 assert abs(want[key] - got[key]) <= 0.05 * got[key], (v, rank, key, want, got)
             assert want == got, (v, rank)  # in fact exact: the same rules, imported
@@ -103,7 +107,7 @@ def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
                      for k, val in stats.items() if k.startswith("comm/") and k.endswith("/bytes")}
         assert predicted == telemetry, (v, predicted, telemetry)
         # every c10d op as the dispatcher saw it, by the ranks of its group
-        layout = plan_layout(WORLD, s, v.get("ranks_per_node"))
+        layout = plan_layout(WORLD, WORLD if v.get("shard_optimizer_state") else s, v.get("ranks_per_node"))
         seen = defaultdict(lambda: {"bytes": 0, "calls": 0})
         for op, group, nbytes in measured["steps"][-1]:
             if op in ("all_gather", "reduce_scatter", "all_reduce"):
@@ -211,6 +215,9 @@ def test_model_inputs(tmp_path):
     (dict(instance="p9"), "instance='p9'"),
     (dict(gpu_memory=40), "gpu_memory=40"),
     (dict(activation_offload=True), "activation_offload=True"),
+    (dict(shard_optimizer_state=True, degrees=[2]), "degrees=[2]"),
+    (dict(shard_optimizer_state=True, prefetch=2), "prefetch=2"),
+    (dict(shard_optimizer_state=True, tensor_parallel_degree=2), "shard_optimizer_state=True"),
 ])
 def test_bad_settings_name_option_value_and_allowed(kwargs, option):
     with pytest.raises(ValueError, match="allowed") as err:
@@ -236,6 +243,19 @@ def test_command_line_prints_the_plan_and_writes_the_chart(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "gpt", "--nodes", "0"],
                          capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "nodes=0" in bad.stderr
+
+
+def test_optimizer_state_sharding_on_the_command_line():
+    """ZeRO-1 keeps whole parameters and gradients on every rank: more memory than any sharding degree, less
+    than plain data parallelism (s = 1 without it), whose AdamW state per rank is 8 times ZeRO-1's at W = 8."""
+    out = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "gpt2", "--gpus-per-node", "8",
+                          "--shard-optimizer-state"], capture_output=True, text=True, cwd=REPO, check=True)
+    assert "| 1 | 1 | 8 |" in out.stdout, out.stdout
+    kw = dict(gpus_per_node=8, param_persistence_threshold=0)  # every parameter sharded: the optimizer state 1/8
+    zero1 = lightning_mics.plan("gpt2", shard_optimizer_state=True, **kw).estimate(1).model_state
+    plain = lightning_mics.plan("gpt2", degrees=[1, 8], **kw)
+    assert plain.estimate(8).model_state["total"] < zero1["total"] < plain.estimate(1).model_state["total"]
+    assert zero1["optimizer"] < plain.estimate(1).model_state["optimizer"] / 7
 
 
 def test_recommends_the_smallest_degree_that_fits():

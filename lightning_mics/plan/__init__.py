@@ -21,6 +21,10 @@ micro-batch, except the last one of the forward (kept for backward); one reduce-
 micro-batch; at the boundary one replica all-reduce per unit bucket and the replicated parameters' world
 all-reduce. The gathered peak (elements) is the root plus min(U, 1 + prefetch) of the largest units, at most
 ``max_live_parameters`` plus the running unit ([Note: live cap] in schedule.py).
+With ``shard_optimizer_state`` (s = 1): one root unit holds every parameter with its placement over all W
+data-parallel ranks, so params, grads and optimizer state are those of s = W for that unit, plus its full
+parameters (gathered dtype) kept on every rank; per step one reduce-scatter per bucket and one all-gather over the
+W ranks at the boundary, whatever the accumulation, and the world all-reduce.
 Links: a shard group inside a node uses the intra-node link; one across nodes the inter-node link (two hops:
 the first hop across nodes, the second inside); replica and world all-reduces cross nodes when there are
 several. Time is a ring model without overlap: (k-1)/k of the buffer per rank for all-gather and
@@ -105,13 +109,16 @@ class Settings:
     param_dtype: Optional[str] = None
     reduce_dtype: Optional[str] = None
     tensor_parallel_degree: int = 1
+    shard_optimizer_state: bool = False  # ZeRO-1: s = 1, optimizer state over all W ([Note: planner arithmetic])
     headroom: float = 0.10
 
     def __post_init__(self) -> None:
         MiCSConfig(prefetch=self.prefetch, max_live_parameters=self.max_live_parameters,
                    param_persistence_threshold=self.param_persistence_threshold,
                    reduce_bucket_size=self.reduce_bucket_size, param_dtype=self.param_dtype,
-                   reduce_dtype=self.reduce_dtype)
+                   reduce_dtype=self.reduce_dtype, shard_optimizer_state=self.shard_optimizer_state)
+        if self.shard_optimizer_state and self.tensor_parallel_degree > 1:
+            _fail("shard_optimizer_state", True, "False with tensor_parallel_degree > 1")
         for name in ("nodes", "gpus_per_node", "seq_len", "micro_batch", "accumulation", "tensor_parallel_degree"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -319,7 +326,18 @@ class _Unit:
         return sum(math.prod(p.shape) for p in self.sharded)
 
 
+def _layout_units(units: List[UnitShapes], st: Settings, s: int) -> Tuple[List[UnitShapes], int]:
+    """The units and shard-group size the engine uses for degree s: with shard_optimizer_state (s = 1), one root
+    unit holding every parameter, its placement over all W data-parallel ranks."""
+    if not st.shard_optimizer_state:
+        return units, s
+    if s != 1:
+        _fail("sharded_data_parallel_degree", s, "1 with shard_optimizer_state=True")
+    return [UnitShapes("", [p for u in units for p in u.params])], st.dp_world
+
+
 def _split(units: List[UnitShapes], st: Settings, s: int, rank: int) -> List[_Unit]:
+    units, s = _layout_units(units, st, s)
     t = st.tensor_parallel_degree
     out = []
     for u in units:
@@ -376,6 +394,8 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0) -> D
         buckets = _world_buckets(units, st)
         grads += sum(buckets) * 4 if master == 4 else \
             sum(math.prod(p.shape) for u in units for p in u.replicated if p.trainable) * master
+    if st.shard_optimizer_state:  # the pinned root: its full parameters (gathered dtype) stay on every rank
+        params += units[0].full_numel * st.dtypes()[1]
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
@@ -383,6 +403,7 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
     """Bytes and calls per collective and group per optimizer step, as the telemetry records them."""
     _, gathered, reduce = st.dtypes()
     units = _split(spec.units, st, s, 0)
+    s = _layout_units(spec.units, st, s)[1]
     layout = plan_layout(st.dp_world, s, st.dp_per_node if st.dp_world > st.dp_per_node else None)
     two_hop = st.hierarchical_allgather and layout.hierarchical_possible
     A, r, W = st.accumulation, layout.replicas, st.dp_world
@@ -393,6 +414,17 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             entry = out.setdefault(key, {"bytes": 0, "calls": 0})
             entry["bytes"] += nbytes * calls
             entry["calls"] += calls
+
+    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding] in runtime.py
+        root = units[0]
+        if root.sharded and W > 1:
+            for b in _unit_buckets(root, st):
+                add("reduce_scatter/shard", W * b * reduce)  # once, at the boundary
+            add("all_gather/shard", W * root.shard_numel * gathered)  # the post-step refresh
+        if W > 1:
+            for b in _world_buckets(units, st):
+                add("all_reduce/world", b * 4)
+        return out
 
     root, others = units[0], [u for u in units[1:] if u.sharded]
     keep = root.full_numel + 2 * max((u.full_numel for u in others), default=0) <= st.max_live_parameters
@@ -477,16 +509,18 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     comm = comm_per_step(spec, st, s)
     peak = _gathered_peak(units, st)
     largest = max(units, key=lambda u: u.shard_numel)
+    group = _layout_units(spec.units, st, s)[1]  # the shard group's size (all W ranks with shard_optimizer_state)
     # the reduce-scatter input lies in the unit's own storage when it fits and the unit is released after it
-    # ([Note: staging in place] in runtime.py); the root inside an accumulation window stages apart
-    in_place = reduce <= gathered and not (largest is units[0] and st.accumulation > 1)
-    buffers = s * largest.shard_numel * (gathered + (0 if in_place else reduce)) if s > 1 else 0
+    # ([Note: staging in place] in runtime.py); the root inside an accumulation window, or pinned, stages apart
+    in_place = reduce <= gathered and not (largest is units[0] and (st.accumulation > 1 or st.shard_optimizer_state))
+    buffers = group * largest.shard_numel * (gathered + (0 if in_place else reduce)) if group > 1 else 0
     links = {k: 0 for k in LINKS}
     for key, e in comm.items():
-        links[_link_of(key, st, s)] += e["bytes"]
+        links[_link_of(key, st, group)] += e["bytes"]
     budget = int(st.gpu_memory_gib * GiB * (1 - st.headroom))
+    held = 0 if st.shard_optimizer_state else peak * gathered  # pinned parameters are model state already
     return Estimate(s, st.tensor_parallel_degree, st.dp_world // s, state, activation_bytes(spec, st), peak,
-                    peak * gathered, buffers, comm, links, _seconds(comm, st, s), budget)
+                    held, buffers, comm, links, _seconds(comm, st, group), budget)
 
 
 def plan(model: Any, *, instance: Optional[str] = None, degrees: Optional[Sequence[int]] = None,
@@ -505,10 +539,13 @@ def plan(model: Any, *, instance: Optional[str] = None, degrees: Optional[Sequen
     st = Settings(**settings)
     spec = resolve(model, shard_units)
     valid = [d for d in range(1, st.dp_world + 1) if st.dp_world % d == 0]
+    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding]: the layout is fixed
+        valid = [1]
     if degrees is not None:
         bad = [d for d in degrees if d not in valid]
         if bad:
-            _fail("degrees", list(degrees), f"divisors of the data-parallel world size {st.dp_world}: {valid}")
+            _fail("degrees", list(degrees), f"divisors of the data-parallel world size {st.dp_world}: {valid}"
+                  if not st.shard_optimizer_state else "[1] with shard_optimizer_state=True")
         valid = sorted(degrees)
     estimates = [estimate(spec, st, s) for s in valid]
     recommended = next((e for e in estimates if e.fits), None)
@@ -548,6 +585,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-live-parameters", type=float, default=1e9)
     ap.add_argument("--param-persistence-threshold", type=float, default=1e6)
     ap.add_argument("--tensor-parallel", dest="tensor_parallel_degree", type=int, default=1)
+    ap.add_argument("--shard-optimizer-state", action="store_true",
+                    help="SageMaker's optimizer state sharding (ZeRO-1): s = 1, optimizer state over all ranks")
     ap.add_argument("--headroom", type=float, default=0.10)
     ap.add_argument("--png", help="write the chart of memory per GPU against s here")
     args = vars(ap.parse_args(argv))
