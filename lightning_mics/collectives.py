@@ -72,11 +72,14 @@ def all_gather_flat(
     log: Optional[CommLog] = None,
     group_name: str = "shard",
     kernels: str = "auto",
+    out: Optional[Tensor] = None,
 ) -> AllGatherResult:
-    """All-gathers a 1-D flat shard (cast to ``dtype`` first) into an ``(group_size, S)`` buffer."""
+    """All-gathers a 1-D flat shard (cast to ``dtype`` first) into an ``(group_size, S)`` buffer (``out``, 1-D of
+    that many elements, if given)."""
     dtype = dtype or shard.dtype
     send = shard if shard.dtype == dtype else triton_kernels.flatten([shard], dtype=dtype, backend=kernels)
-    out = torch.empty(group_size * send.numel(), dtype=dtype, device=send.device)
+    if out is None:
+        out = torch.empty(group_size * send.numel(), dtype=dtype, device=send.device)
     work = dist.all_gather_single(out, send, group=group, async_op=async_op)
     _record(log, "all_gather", group_name, out.numel() * out.element_size())
     return AllGatherResult(out.view(group_size, -1), work if async_op else None)
@@ -196,12 +199,15 @@ def wait(work: Optional[dist.Work], log: Optional[CommLog] = None) -> None:
         log.waited(time.perf_counter() - t0)
 
 
-def gather_flat(shard: Tensor, group: dist.ProcessGroup, group_size: int, dst: int) -> Optional[Tensor]:
-    """Gathers equal-size 1-D shards onto global rank ``dst`` as ``(group_size, S)``; None on the others."""
+def gather_flat(shard: Tensor, group: dist.ProcessGroup, group_size: int, dst: int,
+                out: Optional[Tensor] = None) -> Optional[Tensor]:
+    """Gathers equal-size 1-D shards onto global rank ``dst`` as ``(group_size, S)`` (into ``out``, 1-D of that
+    many elements, if given); None on the others."""
     if group_size == 1:
         return shard.view(1, -1)
     if dist.get_rank() == dst:
-        out = torch.empty(group_size, shard.numel(), dtype=shard.dtype, device=shard.device)
+        out = out.view(group_size, -1) if out is not None else \
+            torch.empty(group_size, shard.numel(), dtype=shard.dtype, device=shard.device)
         dist.gather(shard, list(out.unbind(0)), dst=dst, group=group)
         return out
     dist.gather(shard, None, dst=dst, group=group)

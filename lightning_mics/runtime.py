@@ -450,20 +450,26 @@ class Unit:
 
         Collective over the shard group. ``dst`` = a global rank: only it gets the result (the others hold
         nothing more than their shard); ``dst=None``: every rank gets it. One unit's worth of memory at most;
-        ``scratch`` lends the send buffer, so a loop over units and state keys reuses one.
+        ``scratch`` lends the send and receive buffers, so a loop over units and state keys reuses them (and no
+        receive buffer waits for gloo's thread to drop its Work before the next one is allocated).
         """
+        scratch = scratch or Scratch()
         if all(t is sp.local for sp, t in zip(self.params, locals_)) and dtype == self.dtype:
             flat = self.shard_flat  # the master shard itself is the send buffer (padding rows are zero)
         else:
-            flat = (scratch or Scratch()).get(self.shard_flat.numel(), dtype, self.device)
+            flat = scratch.get(self.shard_flat.numel(), dtype, self.device)
             flat.zero_()
             for sp, t in zip(self.params, locals_):
                 if t is not None:
                     flat[sp.offset:sp.offset + t.numel()].copy_(t.reshape(-1))
+        n = self.s * self.shard_flat.numel()
         if dst is None:
-            out = C.all_gather_flat(flat, self.topo.shard_group, self.s).output if self.s > 1 else flat.view(1, -1)
+            out = C.all_gather_flat(flat, self.topo.shard_group, self.s,
+                                    out=scratch.get(n, dtype, self.device, "recv")).output \
+                if self.s > 1 else flat.view(1, -1)
         else:
-            out = C.gather_flat(flat, self.topo.shard_group, self.s, dst)
+            recv = scratch.get(n, dtype, self.device, "recv") if dist.get_rank() == dst else None
+            out = C.gather_flat(flat, self.topo.shard_group, self.s, dst, out=recv)
             if out is None:
                 return None
         fulls = [torch.empty(sp.shape, dtype=dtype, device=self.device) for sp in self.params]
@@ -487,15 +493,16 @@ def _local_grad(p: Any) -> Optional[Tensor]:
 
 
 class Scratch:
-    """One reusable 1-D buffer per dtype, grown to the largest request."""
+    """One reusable 1-D buffer per dtype and purpose (``key``), grown to the largest request."""
 
     def __init__(self) -> None:
-        self._bufs: Dict[torch.dtype, Tensor] = {}
+        self._bufs: Dict[Tuple[torch.dtype, str], Tensor] = {}
 
-    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-        buf = self._bufs.get(dtype)
+    def get(self, n: int, dtype: torch.dtype, device: torch.device, key: str = "send") -> Tensor:
+        buf = self._bufs.get((dtype, key))
         if buf is None or buf.numel() < n:
-            buf = self._bufs[dtype] = torch.empty(n, dtype=dtype, device=device)
+            self._bufs.pop((dtype, key), None)  # the old one goes before the larger one comes
+            buf = self._bufs[(dtype, key)] = torch.empty(n, dtype=dtype, device=device)
         return buf[:n]
 
 
