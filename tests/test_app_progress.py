@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -23,7 +22,8 @@ from tests.helpers.app import MICS_TINY, TINY, live_processes, run_app, start_ap
 
 # 12 optimizer steps; a periodic save every 5 keeps epoch=0-step=5.ckpt and step=10 (save_top_k=-1), and last.ckpt
 # holds step 12 (not a multiple of 5: the save at the step training ends on).
-RESUMABLE = [*TINY, "trainer.max_steps=12", "trainer.val_check_interval=4", "callbacks.checkpoint.every_n_train_steps=5"]
+RESUMABLE = [*TINY, "trainer.max_steps=12", "trainer.val_check_interval=4",
+             "callbacks.checkpoint.every_n_train_steps=5"]
 
 
 def _state(ckpt: Path) -> Dict[str, torch.Tensor]:
@@ -74,7 +74,7 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path: Path, variant: str)
 def test_ctrl_c_stops_saves_reports_and_exits_130(tmp_path: Path, target: str) -> None:
     """SIGINT to the whole process group (Ctrl-C in a terminal) or to rank 0 alone (``kill -INT``): every rank
     stops after the same optimizer step, ``last.ckpt`` holds that step, the report is written, the job exits with
-    130 and leaves no process behind; ``ckpt_path=`` then continues from that step."""
+    130 and leaves no process behind; ``ckpt_path=`` then continues from that step (run once)."""
     run_dir = tmp_path / "run"
     args = [*TINY, *MICS_TINY, "trainer.max_steps=100000", "callbacks.checkpoint.every_n_train_steps=3",
             f"hydra.run.dir={run_dir}"]
@@ -105,7 +105,8 @@ def test_ctrl_c_stops_saves_reports_and_exits_130(tmp_path: Path, target: str) -
     assert _state(run_dir / "checkpoints" / "last.ckpt")["global_step"].item() == step  # loadable, at the stop step
     assert "[Ctrl-C] stopping after this optimizer step" in out
     assert f"[report] stopped by Ctrl-C (SIGINT) after optimizer step {step}" in out
-
+    if target != "process group":
+        return
     resumed = tmp_path / "resumed"
     proc = run_app([*TINY, *MICS_TINY, f"trainer.max_steps={step + 2}", f"ckpt_path={report['last_checkpoint']}",
                     f"hydra.run.dir={resumed}"], cwd=tmp_path)

@@ -95,7 +95,8 @@ def test_multirun_sweep_ddp_and_mics(tmp_path: Path) -> None:
     # the sweep ends with a comparison of its jobs: one row per job, the override that differs, its figures
     table = [line for line in (sweep_dir / "sweep.md").read_text().splitlines() if line.startswith("| ")]
     assert len(table) == 3, table
-    assert table[1].startswith("| 0 | strategy=ddp | DDPStrategy | 2 | 24 |") and f"{ddp['val_loss_final']:.4f}" in table[1]
+    assert table[1].startswith("| 0 | strategy=ddp | DDPStrategy | 2 | 24 |")
+    assert f"{ddp['val_loss_final']:.4f}" in table[1]
     assert table[2].startswith("| 1 | strategy=mics | MiCSStrategy | 2 | 24 |") and "tokens/s" in table[2]
     assert (sweep_dir / "sweep.png").stat().st_size > 1000
     assert "[sweep] 2 jobs compared" in proc.stdout

@@ -57,6 +57,10 @@ def _all_files(root: Path) -> List[Path]:
     return sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
 
 
+def _files(n: int) -> str:
+    return f"{n} file" + "s" * (n != 1)
+
+
 @dataclass(frozen=True)
 class Corpus:
     """The files to read, in order, and how many of their bytes (at most ``max_bytes``)."""
@@ -88,7 +92,7 @@ def find_corpus(path: Optional[str], glob: Optional[str], max_bytes: int) -> Cor
     pattern = glob or ("*.py" if path is None else "*")
     matching = [p for p in everything if fnmatch.fnmatch(p.name, pattern)]
     if not matching:
-        raise CorpusError(f"{key} holds {len(everything)} files, none matching data.glob={pattern!r} (e.g. "
+        raise CorpusError(f"{key} holds {_files(len(everything))}, none matching data.glob={pattern!r} (e.g. "
                           f"{everything[0].name}). Set data.glob to a pattern that matches them, such as '*.txt'.")
     files, total = [], 0
     for p in matching:
@@ -99,7 +103,7 @@ def find_corpus(path: Optional[str], glob: Optional[str], max_bytes: int) -> Cor
             total += min(p.stat().st_size, max_bytes - total)
     if not files:
         names = ", ".join(p.name for p in matching[:3]) + (", ..." if len(matching) > 3 else "")
-        raise CorpusError(f"{key} holds {len(matching)} files matching {pattern!r}, all binary (a NUL byte in their "
+        raise CorpusError(f"{key} holds {_files(len(matching))} matching {pattern!r}, all binary (a NUL byte in their "
                           f"first 8 KiB: {names}). The corpus is read as text: point data.path at text files, or "
                           f"select them with data.glob.")
     return Corpus(tuple(files), total, f"{root} ({len(files)} files)")

@@ -16,7 +16,9 @@ unsharded figure, bytes per collective and group per optimizer step, and a loss 
 Both strategy attributes are read through ``getattr``, so a strategy without them (Lightning's DDP) still gets
 a report, with those parts marked as not exposed. :func:`write_report` runs on rank 0 after ``fit`` and writes
 ``report.json``, ``report.md`` and ``loss.png`` into the run's output folder (the losses come from the CSV
-logger's ``metrics.csv``); :func:`summary_lines` gives the lines the app prints with a ``[report]`` prefix.
+logger's ``metrics.csv``; no plot when none was logged); :func:`summary_lines` gives the lines the app prints
+with a ``[report]`` prefix, among them where a resumed run started and where a stopped one stopped. Every value
+is printed in its unit (:func:`format_size`, :func:`format_value`).
 """
 
 from __future__ import annotations
@@ -301,8 +303,8 @@ def summary_lines(report: Dict[str, Any]) -> List[str]:
                      f"exposed by {report['strategy']}")
     comm = report.get("comm_per_step")
     if comm and comm["collectives"]:
-        cells = [f"{c['op']}/{c['group']} {format_size(c['bytes'])} in {c['calls']:g} call{'' if c['calls'] == 1 else 's'}"
-                 for c in comm["collectives"]]
+        cells = [f"{c['op']}/{c['group']} {format_size(c['bytes'])} in {c['calls']:g} "
+                 f"call{'' if c['calls'] == 1 else 's'}" for c in comm["collectives"]]
         lines.append(f"comm per optimizer step (rank 0, median of {comm['steps_sampled']} steps): " + "; ".join(cells))
     else:
         lines.append(f"comm per optimizer step: not exposed by {report['strategy']}")
@@ -368,7 +370,8 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
         lines += [f"Telemetry of the strategy (`trainer.strategy.comm_stats`), {comm['statistic']} "
                   f"({comm['steps_sampled']} steps).", "",
                   "| collective | group | bytes | calls |", "|---|---|---|---|"]
-        lines += [f"| {c['op']} | {c['group']} | {format_size(c['bytes'])} | {c['calls']:g} |" for c in comm["collectives"]]
+        lines += [f"| {c['op']} | {c['group']} | {format_size(c['bytes'])} | {c['calls']:g} |"
+                  for c in comm["collectives"]]
         if comm["other"]:
             lines += ["", *[f"- {k}: {format_value(k, v)}" for k, v in comm["other"].items()]]
     else:

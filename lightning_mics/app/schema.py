@@ -85,7 +85,8 @@ def _config_type(annotation: Any) -> Any:
 
 def _describe(annotation: Any) -> str:
     types, literals, none_ok = _accepts(annotation)
-    names = [getattr(t, "__name__", None) or str(t).replace("typing.", "") for t in types]
+    names = [f"list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t) is list else t.__name__
+             for t in types]
     names += [repr(v) for v in literals] + (["null"] * none_ok)
     return ", ".join(names[:-1]) + (" or " if len(names) > 1 else "") + names[-1]
 

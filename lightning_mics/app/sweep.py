@@ -17,8 +17,8 @@ from lightning_mics.app.report import format_size, format_value
 def _jobs(sweep_dir: str) -> List[Tuple[str, List[str], Dict[str, Any]]]:
     """``(job folder name, its overrides, its report)`` for every job folder that holds a report, by job number."""
     jobs = []
-    for d in sorted(Path(sweep_dir).iterdir(), key=lambda p: (not p.name.isdigit(), int(p.name) if p.name.isdigit()
-                                                             else 0, p.name)):
+    folders = [d for d in Path(sweep_dir).iterdir() if d.is_dir()]
+    for d in sorted(folders, key=lambda d: (0, int(d.name), "") if d.name.isdigit() else (1, 0, d.name)):
         report = d / "report.json"
         if not report.is_file():
             continue
@@ -40,8 +40,8 @@ def _row(name: str, label: str, r: Dict[str, Any]) -> List[str]:
         state = format_size(worst["total"]) + (f" ({frac:.2f}x)" if frac is not None else "")
     comm = r.get("comm_per_step") or {}
     comm_bytes = sum(c["bytes"] for c in comm.get("collectives") or [])
-    return [name, label or "(defaults)", r.get("strategy", "?"), str(r.get("world_size", "?")), str(r.get("steps", "?")),
-            speed, format_value("loss", r.get("val_loss_final")), state,
+    return [name, label or "(defaults)", r.get("strategy", "?"), str(r.get("world_size", "?")),
+            str(r.get("steps", "?")), speed, format_value("loss", r.get("val_loss_final")), state,
             format_size(comm_bytes) if comm.get("collectives") else "n/a (not exposed)",
             f"{r.get('train_seconds', 0.0):.1f} s"]
 
