@@ -275,8 +275,9 @@ def _how_it_ran(report: Dict[str, Any]) -> List[str]:
     if report.get("resumed_from"):
         lines.append(f"resumed from {report['resumed_from']} at optimizer step {report.get('start_step')}")
     if report.get("stopped_by"):
-        lines.append(f"stopped by {report['stopped_by']} after optimizer step {report['steps']}; continue with "
-                     f"ckpt_path={report.get('last_checkpoint')}")
+        then = (f"continue with ckpt_path={report['last_checkpoint']}" if report.get("last_checkpoint")
+                else "no checkpoint was saved")
+        lines.append(f"stopped by {report['stopped_by']} after optimizer step {report['steps']}; {then}")
     return lines
 
 

@@ -109,7 +109,7 @@ def _matches(value: Any, annotation: Any) -> bool:
     return False
 
 
-_DEVICES = re.compile(r"^\s*(auto|-1|\d+|\d+(\s*,\s*\d+)*\s*,?)\s*$")
+_DEVICES = re.compile(r"^\s*(auto|-1|\d+(\s*,\s*\d+)*\s*,?)\s*$")  # Lightning's string forms
 
 
 def _check_devices(value: Any) -> Optional[str]:
@@ -147,11 +147,12 @@ def check_config(cfg: DictConfig) -> None:
         schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
         if not dataclasses.is_dataclass(schema):
             continue
+        values = OmegaConf.to_container(node, resolve=True)
         for f in dataclasses.fields(schema):
             annotation, check = f.metadata.get("annotation"), f.metadata.get("check")
-            if annotation is None or f.name not in node:
+            if annotation is None or f.name not in values:
                 continue
-            value = OmegaConf.to_container(node, resolve=True)[f.name]
+            value = values[f.name]
             expected = None if _matches(value, annotation) else _describe(annotation)
             expected = expected or (check(value) if check else None)
             if expected:

@@ -91,14 +91,14 @@ def _prepare_multirun_job() -> None:
 
 
 def _check_argv(argv: List[str]) -> None:
-    """``key=~/x``: bash leaves ``~`` unexpanded after ``=`` in an argument that is not a shell variable, and
-    Hydra's override grammar refuses it with a lexer error; say so before Hydra parses."""
+    """``key=~/x``: bash expands ``~`` after ``=`` only in a shell variable assignment, so Hydra receives it, and
+    its override grammar refuses it with a lexer error; say so, with the fix, before Hydra parses."""
     for arg in argv:
         key, sep, value = arg.partition("=")
         if sep and value.startswith("~") and not key.startswith("-"):
-            raise SystemExit(f"{arg}: the shell did not expand '~' (it does not after '=' here), and Hydra's "
-                             f"override grammar refuses it. Write {key}=$HOME{value[1:]} instead, or quote the "
-                             f"value for Hydra: \"{key}='{value}'\".")
+            raise SystemExit(f"{arg}: the shell left '~' unexpanded (it expands it after '=' only in a shell "
+                             f"variable assignment), and Hydra's override grammar refuses it. Write "
+                             f"{key}=$HOME{value[1:]} instead, or quote the value for Hydra: \"{key}='{value}'\".")
 
 
 def _instantiate(node: Any, **kwargs: Any) -> Any:
