@@ -9,34 +9,16 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
 
 import pytest
 
+from tests.helpers.app import MICS_TINY, TINY, run_app as _run
+
 REPO = Path(__file__).resolve().parents[1]
-
-# A model small enough to train in seconds, but with matrices above the persistence threshold so that
-# MiCS really shards them (n_embd=32: c_fc 32x128 = 4096 elements > 1000).
-TINY = [
-    "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.warmup_steps=2",
-    "data.max_bytes=300000", "data.batch_size=8", "data.max_val_blocks=64",
-    "trainer.max_steps=24", "trainer.val_check_interval=8", "trainer.log_every_n_steps=2", "trainer.devices=2",
-    "callbacks.progress_bar.refresh_rate=0",
-]
-MICS_TINY = ["strategy.param_persistence_threshold=1000"]
-
-
-def _run(args: List[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONUNBUFFERED"] = "1"
-    return subprocess.run([sys.executable, "-m", "lightning_mics.app.train", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def _check_run_dir(run_dir: Path, out: str) -> dict:
@@ -87,6 +69,13 @@ def test_main_job_mics(tmp_path: Path) -> None:
     assert "| rank 1 |" in md and "unsharded" in md and "| all_gather | shard |" in md
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     assert not (tmp_path / "outputs").exists()  # every rank wrote into hydra.run.dir
+    # every value in the report carries its unit
+    other = [line for line in md.splitlines() if line.startswith("- mem/") or line.startswith("- time/")]
+    assert other and all(line.endswith(("B", "KiB", "MiB", "GiB", " s", " ms", "elements")) for line in other), other
+    # Lightning's messages reach the run's logs (rank 0: train.log; rank 1: its own), with the report
+    train_log = (run_dir / "train.log").read_text()
+    assert "Initializing distributed: GLOBAL_RANK: 0" in train_log and "[report] model state, rank 1:" in train_log
+    assert "Initializing distributed: GLOBAL_RANK: 1" in (run_dir / "train_ddp_process_1.log").read_text()
 
 
 def test_multirun_sweep_ddp_and_mics(tmp_path: Path) -> None:
@@ -103,6 +92,14 @@ def test_multirun_sweep_ddp_and_mics(tmp_path: Path) -> None:
     assert "not exposed by DDPStrategy" in (sweep_dir / "0" / "report.md").read_text()
     assert ddp["model_state"]["unsharded"] == mics["model_state"]["unsharded"]  # same model, same optimizer
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs").exists()
+    # the sweep ends with a comparison of its jobs: one row per job, the override that differs, its figures
+    table = [line for line in (sweep_dir / "sweep.md").read_text().splitlines() if line.startswith("| ")]
+    assert len(table) == 3, table
+    assert table[1].startswith("| 0 | strategy=ddp | DDPStrategy | 2 | 24 |")
+    assert f"{ddp['val_loss_final']:.4f}" in table[1]
+    assert table[2].startswith("| 1 | strategy=mics | MiCSStrategy | 2 | 24 |") and "tokens/s" in table[2]
+    assert (sweep_dir / "sweep.png").stat().st_size > 1000
+    assert "[sweep] 2 jobs compared" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -127,6 +124,15 @@ def test_sharding_degree_must_divide_world(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "ValueError" in proc.stderr and "sharded_data_parallel_degree" in proc.stderr, proc.stderr[-3000:]
     assert "Initializing distributed" not in proc.stdout + proc.stderr
+
+
+def test_help_lists_only_real_choices(tmp_path: Path) -> None:
+    """The schemas live outside the config groups, so ``--help`` offers only configs a user can pick."""
+    proc = _run(["--help"], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    assert "strategy: ddp, mics" in groups and "trainer: cpu, gpu" in groups and "model: gpt" in groups, groups
+    assert "schema" not in groups, groups
 
 
 def test_console_script_prints_config(tmp_path: Path) -> None:
@@ -155,6 +161,16 @@ def test_configs_compose(strategy: str, trainer: str) -> None:
     assert cfg.model.n_layer == 6 and cfg.trainer.accumulate_grad_batches == 4
     assert cfg.data.block_size == cfg.model.block_size
     assert cfg.trainer.accelerator == trainer
+    assert cfg.ckpt_path is None
+    # the trainer, model and data groups are typed by their schemas, and every value the YAMLs set passes the
+    # checks their types cannot express
+    from omegaconf import OmegaConf
+
+    from lightning_mics.app import schema
+
+    assert [OmegaConf.get_type(cfg[g]).__name__ for g in ("trainer", "model", "data")] == [
+        "TrainerConf", "LitGPTConf", "ByteCorpusConf"]
+    schema.check_config(cfg)
     if strategy == "mics":
         from lightning_mics.config import MiCSConfig
 

@@ -1,5 +1,8 @@
 """The main job, apart from the engine: a Hydra entry point (``train``), the example models (``models``),
-a byte-level corpus (``data``) and the end-of-run report (``report``).
+a byte-level corpus (``data``), the end-of-run report (``report``) and a sweep's comparison (``sweep``), the
+structured configs and the checks done before any rank starts (``schema``), the Lightning callbacks that keep
+progress (``callbacks``: periodic ``last.ckpt``, Ctrl-C) and the Hydra callbacks (``runs``: a new folder per job,
+the sweep's comparison at its end).
 
     lightning-mics-train                 # = python -m lightning_mics.app.train
 

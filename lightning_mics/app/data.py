@@ -9,21 +9,33 @@ Split (deterministic, no randomness): the corpus is cut into pieces of ``piece_b
 corpus rather than its first and last files. Each split is then served as fixed-length windows of
 ``block_size + 1`` bytes (input = the first ``block_size``, target = the last ``block_size``), windows starting
 every ``block_size`` bytes so that every byte is a target once.
+
+The corpus is listed and checked when the module is built (in the main job: before any rank starts): a missing
+path, an empty file or folder, a folder of binary files only, or too little text for the split each raise
+:class:`CorpusError` naming ``data.path``, what was found there and the fix. A resumed fit continues mid-epoch
+at the batch it stopped on ([Note: resuming the data]).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import os
 import sysconfig
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
+
+
+class CorpusError(ValueError):
+    """The corpus named by ``data.path`` cannot give a training set; the message says what was found and the fix."""
 
 
 def stdlib_dir() -> Path:
@@ -35,36 +47,98 @@ def _is_text(path: Path) -> bool:
         return b"\0" not in f.read(8192)
 
 
-def list_files(root: Path, glob: str) -> List[Path]:
-    """Regular text files under ``root`` whose name matches ``glob``, sorted by relative path (so the same on
-    every machine with the same files), skipping installed packages, caches and VCS folders."""
+def _all_files(root: Path) -> List[Path]:
+    """Regular files under ``root``, sorted by relative path (so the same on every machine with the same files),
+    skipping installed packages, caches and VCS folders."""
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]  # prune: site-packages can be huge
-        files.extend(Path(dirpath, f) for f in filenames if fnmatch.fnmatch(f, glob))
-    files = [p for p in files if p.is_file()]
-    return sorted((p for p in files if _is_text(p)), key=lambda p: p.relative_to(root).as_posix())
+        files.extend(Path(dirpath, f) for f in filenames)
+    return sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
 
 
-def read_corpus(path: Optional[str], glob: Optional[str], max_bytes: int) -> Tuple[bytes, str]:
-    """Returns (at most ``max_bytes`` bytes, a description of the source)."""
+def _files(n: int) -> str:
+    return f"{n} file" + "s" * (n != 1)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The files to read, in order, and how many of their bytes (at most ``max_bytes``)."""
+
+    files: Tuple[Path, ...]
+    nbytes: int
+    source: str  # for the report and the messages
+
+
+def find_corpus(path: Optional[str], glob: Optional[str], max_bytes: int) -> Corpus:
+    """Lists the corpus without reading it; raises :class:`CorpusError` for a missing path, an empty file, an
+    empty folder, a folder with no file matching ``glob``, or one whose matching files are all binary. A single
+    file is taken as it is (binary or not): it was named explicitly."""
     root = stdlib_dir() if path is None else Path(os.path.expanduser(path))
+    key = f"data.path={path!r}" if path is not None else f"data.path=null (the standard library, {root})"
     if not root.exists():
-        raise FileNotFoundError(f"data.path={path!r} does not exist")
+        raise CorpusError(f"{key}: no such file or folder ({root.absolute()}). Give a text file or a folder of "
+                          f"text files; a relative path is read from the folder the job starts in.")
     if root.is_file():
-        with open(root, "rb") as f:
-            return f.read(max_bytes), str(root)
-    files = list_files(root, glob or ("*.py" if path is None else "*"))
-    if not files:
-        raise FileNotFoundError(f"no text files matching {glob or '*'!r} under data.path={str(root)!r}")
-    chunks, total = [], 0
-    for p in files:
+        size = root.stat().st_size
+        if size == 0:
+            raise CorpusError(f"{key} is an empty file (0 bytes). Give a file with text in it, or a folder of text "
+                              f"files.")
+        return Corpus((root,), min(size, max_bytes), str(root))
+    everything = _all_files(root)
+    if not everything:
+        raise CorpusError(f"{key} is an empty folder (no files under {root}). Put text files in it, or point "
+                          f"data.path at a text file or another folder.")
+    pattern = glob or ("*.py" if path is None else "*")
+    matching = [p for p in everything if fnmatch.fnmatch(p.name, pattern)]
+    if not matching:
+        raise CorpusError(f"{key} holds {_files(len(everything))}, none matching data.glob={pattern!r} (e.g. "
+                          f"{everything[0].name}). Set data.glob to a pattern that matches them, such as '*.txt'.")
+    files, total = [], 0
+    for p in matching:
         if total >= max_bytes:
             break
-        data = p.read_bytes()[: max_bytes - total]
-        chunks.append(data)
-        total += len(data)
-    return b"".join(chunks), f"{root} ({len(chunks)} files)"
+        if _is_text(p):
+            files.append(p)
+            total += min(p.stat().st_size, max_bytes - total)
+    if not files:
+        names = ", ".join(p.name for p in matching[:3]) + (", ..." if len(matching) > 3 else "")
+        raise CorpusError(f"{key} holds {_files(len(matching))} matching {pattern!r}, all binary (a NUL byte in their "
+                          f"first 8 KiB: {names}). The corpus is read as text: point data.path at text files, or "
+                          f"select them with data.glob.")
+    return Corpus(tuple(files), total, f"{root} ({len(files)} files)")
+
+
+def read_corpus(corpus: Corpus) -> bytes:
+    chunks, total = [], 0
+    for p in corpus.files:
+        with open(p, "rb") as f:
+            chunks.append(f.read(corpus.nbytes - total))
+        total += len(chunks[-1])
+    return b"".join(chunks)
+
+
+def check_split(corpus: Corpus, path: Optional[str], block_size: int, val_fraction: float, piece_bytes: int,
+                max_bytes: int) -> None:
+    """Raises :class:`CorpusError` unless :func:`split_pieces` can give both splits one block: the first
+    validation piece is piece ``every - 1``, so the corpus needs ``(every - 1) * piece_bytes + block_size + 1``
+    bytes."""
+    block = block_size + 1
+    if piece_bytes < block:
+        raise CorpusError(f"data.piece_bytes={piece_bytes} is shorter than one block (data.block_size + 1 = {block} "
+                          f"bytes): give data.piece_bytes >= {block}.")
+    every = max(2, round(1.0 / val_fraction))
+    need = (every - 1) * piece_bytes + block
+    if corpus.nbytes >= need:
+        return
+    fits = (corpus.nbytes - block) // (every - 1)
+    fix = (f"give more text, or lower data.piece_bytes (data.piece_bytes={fits} fits this corpus)" if fits >= block
+           else f"give more text (at least {every * block} bytes with data.piece_bytes={block})")
+    capped = f" (capped by data.max_bytes={max_bytes})" if corpus.nbytes == max_bytes else ""
+    raise CorpusError(f"data.path={path!r} holds {corpus.nbytes} bytes of text{capped}, in {corpus.source}: too "
+                      f"small to split. Every {every}th piece of data.piece_bytes={piece_bytes} bytes goes to "
+                      f"validation and each split needs one block of data.block_size + 1 = {block} bytes, so the "
+                      f"corpus needs at least {need} bytes: {fix}.")
 
 
 def split_pieces(data: torch.Tensor, val_fraction: float, piece_bytes: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +178,30 @@ class ByteBlocks(Dataset):
         return block[:-1], block[1:]
 
 
+# [Note: resuming the data]
+# Lightning resumes a fit mid-epoch from its loops' counters, but a plain DataLoader starts its epoch again from the
+# first batch, so a resumed run would train again on batches it has seen and differ from an uninterrupted one.
+# Lightning's hook for this (a train dataloader with state_dict/load_state_dict) is not restored when
+# configure_optimizers reads trainer.estimated_stepping_batches (Lightning issue #20550), and such a state counts
+# the batches a loader has produced, not those trained on. So the training sampler follows Lightning's own count
+# instead: when an epoch's iteration starts (lazily, at its first batch, after a checkpoint was read), it leaves out
+# the indices of the batches the epoch loop has already run in this epoch (``batch_progress.current.ready``: 0 in
+# a fresh epoch, k when the loop continues after batch k), so the data and the loop cannot disagree. The order is
+# that of the DistributedSampler Lightning itself builds (shuffled, seeded with PL_GLOBAL_SEED, reshuffled per
+# epoch by set_epoch), so a run that never resumes sees the same batches as before.
+class ResumableSampler(DistributedSampler):
+    """Lightning's training sampler that starts an epoch at the batch ``batches_done()`` says the loop is at
+    (see [Note: resuming the data])."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, batches_done: Callable[[], int], **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+        self.batch_size = batch_size
+        self.batches_done = batches_done
+
+    def __iter__(self) -> Iterator[int]:  # a generator: the body runs at the epoch's first batch, not at iter()
+        yield from itertools.islice(super().__iter__(), self.batches_done() * self.batch_size, None)
+
+
 class ByteCorpusDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -119,26 +217,47 @@ class ByteCorpusDataModule(L.LightningDataModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.corpus = find_corpus(path, glob, max_bytes)
+        check_split(self.corpus, path, block_size, val_fraction, piece_bytes, max_bytes)
+        self.source = self.corpus.source
         self.train_set: Optional[ByteBlocks] = None
         self.val_set: Optional[ByteBlocks] = None
-        self.source = ""
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
             return
         hp = self.hparams
-        raw, self.source = read_corpus(hp.path, hp.glob, hp.max_bytes)
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(read_corpus(self.corpus)), dtype=torch.uint8)
         train, val = split_pieces(data, hp.val_fraction, hp.piece_bytes)
         self.train_set = ByteBlocks(train, hp.block_size)
         self.val_set = ByteBlocks(val, hp.block_size, hp.max_val_blocks)
 
+    def _loader_kwargs(self) -> Dict[str, Any]:
+        workers = self.hparams.num_workers
+        return {"batch_size": self.hparams.batch_size, "drop_last": True, "num_workers": workers,
+                "persistent_workers": workers > 0}
+
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+        trainer = self.trainer
+        ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
+        ranks = ranks or {"num_replicas": 1, "rank": 0}
+        sampler = ResumableSampler(self.train_set, self.hparams.batch_size, self._batches_done, shuffle=True,
+                                   seed=int(os.getenv("PL_GLOBAL_SEED", 0)), **ranks)
+        if len(sampler) < self.hparams.batch_size:
+            raise CorpusError(f"data.path={self.hparams.path!r} gives {len(self.train_set)} training blocks, "
+                              f"{len(sampler)} per rank on {ranks['num_replicas']} ranks: fewer than one batch of "
+                              f"data.batch_size={self.hparams.batch_size}. Lower data.batch_size or give more text.")
+        # Lightning warns that a mid-epoch resume repeats batches unless the loader is "stateful"; this one resumes
+        # where the loop does without a state of its own ([Note: resuming the data]), so the warning is wrong here.
+        warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        return DataLoader(self.train_set, sampler=sampler, **self._loader_kwargs())
+
+    def _batches_done(self) -> int:
+        """Training batches the epoch loop has run in the current epoch (what a resumed loop continues after)."""
+        trainer = self.trainer
+        return trainer.fit_loop.epoch_loop.batch_progress.current.ready if trainer is not None else 0
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.hparams.batch_size, shuffle=False, drop_last=True,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+        return DataLoader(self.val_set, shuffle=False, **self._loader_kwargs())

@@ -16,7 +16,9 @@ unsharded figure, bytes per collective and group per optimizer step, and a loss 
 Both strategy attributes are read through ``getattr``, so a strategy without them (Lightning's DDP) still gets
 a report, with those parts marked as not exposed. :func:`write_report` runs on rank 0 after ``fit`` and writes
 ``report.json``, ``report.md`` and ``loss.png`` into the run's output folder (the losses come from the CSV
-logger's ``metrics.csv``); :func:`summary_lines` gives the lines the app prints with a ``[report]`` prefix.
+logger's ``metrics.csv``; no plot when none was logged); :func:`summary_lines` gives the lines the app prints
+with a ``[report]`` prefix, among them where a resumed run started and where a stopped one stopped. Every value
+is printed in its unit (:func:`format_size`, :func:`format_value`).
 """
 
 from __future__ import annotations
@@ -91,9 +93,13 @@ class RunStats(L.Callback):
         self.model_state_bytes: Optional[List[Any]] = None  # per rank, from the strategy
         self.unsharded_bytes: Optional[Dict[str, int]] = None
         self.comm_steps: List[Dict[str, float]] = []  # trainer.strategy.comm_stats after each optimizer step
+        self.start_step = 0  # the global step training started from (> 0 when resumed)
         self._t0: Optional[float] = None
         self._last_step = -1
         self._step_state: Any = None  # this rank's model-state bytes before the latest optimizer step
+
+    def on_train_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule") -> None:
+        self.start_step = self._last_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: "L.Trainer", pl_module: "L.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -194,17 +200,23 @@ def read_metrics(metrics_csv: str) -> Dict[str, List[tuple]]:
     return out
 
 
-def plot_losses(metrics: Dict[str, List[tuple]], path: str, title: str = "") -> None:
+def plot_losses(metrics: Dict[str, List[tuple]], path: str, title: str = "") -> bool:
+    """Draws the logged losses into ``path``; draws nothing and returns False when none was logged (a run shorter
+    than ``trainer.log_every_n_steps`` with no validation)."""
+    curves = [(key, style) for key, style in (("train/loss", dict(alpha=0.6, lw=1)), ("val/loss", dict(lw=2)))
+              if metrics.get(key)]
+    if not curves:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("train/loss", dict(alpha=0.6, lw=1)), ("val/loss", dict(marker="o", lw=2))):
-        if metrics.get(key):
-            steps, values = zip(*metrics[key])
-            ax.plot(steps, values, label=key, **style)
+    for key, style in curves:
+        steps, values = zip(*metrics[key])
+        marker = "o" if key == "val/loss" or len(steps) < 3 else None
+        ax.plot(steps, values, label=key, marker=marker, **style)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (as the module logs it)")
     ax.set_title(title)
@@ -213,13 +225,14 @@ def plot_losses(metrics: Dict[str, List[tuple]], path: str, title: str = "") -> 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return True
 
 
 def _fmt(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.4f}"
 
 
-def _size(n: float) -> str:
+def format_size(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -227,7 +240,21 @@ def _size(n: float) -> str:
 
 
 def _size_or_na(n: Optional[float]) -> str:
-    return "n/a" if n is None else _size(n)
+    return "n/a" if n is None else format_size(n)
+
+
+def format_value(key: str, value: Optional[float]) -> str:
+    """``value`` in the unit its key names: ``*_bytes`` in B/KiB/MiB/GiB, ``*_s`` in s or ms, ``*elements*`` as a
+    count of elements; other values with 4 decimals."""
+    if value is None:
+        return "n/a"
+    if key.endswith("_bytes"):
+        return format_size(value)
+    if key.endswith("_s"):
+        return f"{value:.2f} s" if value >= 1 else f"{value * 1e3:.1f} ms"
+    if "elements" in key:
+        return f"{value:,.0f} elements"
+    return f"{value:.4f}"
 
 
 def model_state_summary(per_rank: Optional[List[Any]], unsharded: Optional[Dict[str, int]]) -> Dict[str, Any]:
@@ -243,6 +270,17 @@ def model_state_summary(per_rank: Optional[List[Any]], unsharded: Optional[Dict[
     return {"unsharded": unsharded, "per_rank": ranks}
 
 
+def _how_it_ran(report: Dict[str, Any]) -> List[str]:
+    lines = []
+    if report.get("resumed_from"):
+        lines.append(f"resumed from {report['resumed_from']} at optimizer step {report.get('start_step')}")
+    if report.get("stopped_by"):
+        then = (f"continue with ckpt_path={report['last_checkpoint']}" if report.get("last_checkpoint")
+                else "no checkpoint was saved")
+        lines.append(f"stopped by {report['stopped_by']} after optimizer step {report['steps']}; {then}")
+    return lines
+
+
 def summary_lines(report: Dict[str, Any]) -> List[str]:
     """The report in a few lines of text (the app prints them with a ``[report]`` prefix)."""
     tps, sps = report.get("tokens_per_second"), report.get("samples_per_second")
@@ -251,22 +289,23 @@ def summary_lines(report: Dict[str, Any]) -> List[str]:
              f"(all ranks, {report['train_seconds']:.1f} s in training batches)"]
     lines.append(f"validation loss {_fmt(report['val_loss_first'])} -> {_fmt(report['val_loss_final'])}, "
                  f"perplexity {_fmt(report['val_ppl_final'])}")
+    lines += _how_it_ran(report)
     ms = report["model_state"]
     full = (ms.get("unsharded") or {}).get("total")
     if ms.get("per_rank"):
         for rank, b in enumerate(ms["per_rank"]):
             frac = b.get("fraction_of_unsharded")
-            parts = " + ".join(f"{k} {_size(b[k])}" for k in ("params", "grads", "optimizer") if k in b)
-            lines.append(f"model state, rank {rank}: {_size(b['total'])} per rank"
-                         + (f", {frac:.2f}x of {_size(full)} unsharded" if frac is not None else "")
+            parts = " + ".join(f"{k} {format_size(b[k])}" for k in ("params", "grads", "optimizer") if k in b)
+            lines.append(f"model state, rank {rank}: {format_size(b['total'])} per rank"
+                         + (f", {frac:.2f}x of {format_size(full)} unsharded" if frac is not None else "")
                          + (f" ({parts})" if parts else ""))
     else:
-        lines.append(f"model state: {_size(full) if full is not None else 'n/a'} unsharded; per-rank bytes not "
+        lines.append(f"model state: {format_size(full) if full is not None else 'n/a'} unsharded; per-rank bytes not "
                      f"exposed by {report['strategy']}")
     comm = report.get("comm_per_step")
     if comm and comm["collectives"]:
-        cells = [f"{c['op']}/{c['group']} {_size(c['bytes'])} in {c['calls']:g} call{'' if c['calls'] == 1 else 's'}"
-                 for c in comm["collectives"]]
+        cells = [f"{c['op']}/{c['group']} {format_size(c['bytes'])} in {c['calls']:g} "
+                 f"call{'' if c['calls'] == 1 else 's'}" for c in comm["collectives"]]
         lines.append(f"comm per optimizer step (rank 0, median of {comm['steps_sampled']} steps): " + "; ".join(cells))
     else:
         lines.append(f"comm per optimizer step: not exposed by {report['strategy']}")
@@ -275,7 +314,8 @@ def summary_lines(report: Dict[str, Any]) -> List[str]:
 
 def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_csv: str,
                  extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """Writes ``report.json``, ``report.md`` and ``loss.png`` into ``out_dir``; returns the report. Rank 0."""
+    """Writes ``report.json``, ``report.md`` and (when losses were logged) ``loss.png`` into ``out_dir``; returns
+    the report, whose ``files`` lists what was written. Rank 0."""
     metrics = read_metrics(metrics_csv)
     val = metrics.get("val/loss", [])
     cm = trainer.callback_metrics
@@ -285,6 +325,7 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
         "strategy": type(trainer.strategy).__name__,
         "world_size": trainer.world_size,
         "steps": trainer.global_step,
+        "start_step": stats.start_step,
         "tokens_per_second": stats.tokens_per_second,
         "samples_per_second": stats.samples_per_second,
         "train_seconds": stats.train_seconds,
@@ -298,11 +339,14 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
         "comm_per_step": stats.comm_per_step(),
         **(extra or {}),
     }
+    plotted = plot_losses(metrics, os.path.join(out_dir, "loss.png"),
+                          title=f"{report['strategy']}, {report['world_size']} ranks, {report['steps']} steps")
+    report["files"] = ["report.md", "report.json"] + ["loss.png"] * plotted
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
 
     summary = summary_lines(report)
-    lines = ["# Run report", "", *[f"- {line}" for line in summary[:2]]]
+    lines = ["# Run report", "", *[f"- {line}" for line in summary[:2] + _how_it_ran(report)]]
     ms = report["model_state"]
     if val:
         lines.append(f"- validation loss by step: " + ", ".join(f"{v:.3f} ({s})" for s, v in val))
@@ -327,14 +371,14 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
         lines += [f"Telemetry of the strategy (`trainer.strategy.comm_stats`), {comm['statistic']} "
                   f"({comm['steps_sampled']} steps).", "",
                   "| collective | group | bytes | calls |", "|---|---|---|---|"]
-        lines += [f"| {c['op']} | {c['group']} | {_size(c['bytes'])} | {c['calls']:g} |" for c in comm["collectives"]]
+        lines += [f"| {c['op']} | {c['group']} | {format_size(c['bytes'])} | {c['calls']:g} |"
+                  for c in comm["collectives"]]
         if comm["other"]:
-            lines += ["", *[f"- {k}: {v:g}" for k, v in comm["other"].items()]]
+            lines += ["", *[f"- {k}: {format_value(k, v)}" for k, v in comm["other"].items()]]
     else:
         lines.append(f"Not exposed by {report['strategy']}.")
-    lines += ["", "![loss](loss.png)", ""]
+    lines += ["", "![loss](loss.png)" if plotted else "No loss was logged, so no plot: the run had fewer optimizer "
+              "steps than `trainer.log_every_n_steps` and no validation.", ""]
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write("\n".join(lines))
-    plot_losses(metrics, os.path.join(out_dir, "loss.png"),
-                title=f"{report['strategy']}, {report['world_size']} ranks, {report['steps']} steps")
     return report

@@ -5,7 +5,9 @@
         trainer.accumulate_grad_batches=4 model.n_layer=6
     lightning-mics-train strategy=ddp                      # same job on Lightning's DDP
     lightning-mics-train trainer=gpu model.n_layer=12 model.n_embd=768
-    lightning-mics-train -m strategy.sharded_data_parallel_degree=1,2 trainer.devices=2   # sweep
+    lightning-mics-train data.path=$HOME/my_texts          # any text file or folder
+    lightning-mics-train ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt   # resume, into a new folder
+    lightning-mics-train -m strategy.sharded_data_parallel_degree=1,2 trainer.devices=2   # sweep + comparison
     lightning-mics-train --cfg job                         # print the composed config and exit
     lightning-mics-train --config-dir my_conf model=my_model data=my_data   # your own config groups
 
@@ -13,9 +15,17 @@ Configs live in ``conf/`` at the repository root; the wheel installs that folder
 ``lightning_mics.app.conf`` (see pyproject.toml) and the app reads it through Hydra's search path
 ``pkg://lightning_mics.app.conf``, in an installed wheel and in an editable install alike, from any working
 folder. ``--config-dir DIR`` (or ``hydra.searchpath=[file://DIR]``) adds a folder of your own config groups
-(``DIR/model/my_model.yaml`` selected as ``model=my_model``). Each run writes into its Hydra output folder
-(``outputs/<date>/<time>/``, or ``multirun/<date>/<time>/<job>/``) under the working folder:
-``csv/metrics.csv``, ``checkpoints/last.ckpt``, ``report.json``, ``report.md`` and ``loss.png``.
+(``DIR/model/my_model.yaml`` selected as ``model=my_model``). Each run writes into a new folder of its own
+(``outputs/<date>/<time>/``, or ``multirun/<date>/<time>/<job>/``; [Note: run folders] in ``runs.py``) under the
+working folder: ``train.log``, ``csv/metrics.csv``, ``checkpoints/last.ckpt`` (every
+``callbacks.checkpoint.every_n_train_steps`` optimizer steps and at the end), ``report.json``, ``report.md`` and
+``loss.png``; a sweep adds ``sweep.md`` and ``sweep.png`` comparing its jobs.
+
+Before any rank starts, the job checks what it was given and stops with one message naming the key: types
+(Hydra's structured configs, [Note: config schemas] in ``schema.py``), the corpus (``data.py``), ``ckpt_path``, the
+run folder. Ctrl-C stops every rank after the same optimizer step, saves ``last.ckpt`` and the report, and exits
+with status 130 ([Note: Ctrl-C] in ``callbacks.py``); ``ckpt_path=`` continues from that checkpoint, with the same
+batches an uninterrupted run would have seen ([Note: resuming the data] in ``data.py``).
 
 [Note: ranks under Hydra]
 Lightning's ``_SubprocessScriptLauncher`` starts ranks 1..n-1 by re-running this command with
@@ -29,33 +39,28 @@ folder; after the job it destroys the process group and restores the environment
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
 import hydra
 import torch
-from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
-from lightning_mics.config import MiCSConfig
+from lightning_mics.app import schema
+from lightning_mics.app.data import CorpusError
+from lightning_mics.app.schema import UsageError
 
 # The configs as a Python package (conf/ mapped to lightning_mics.app.conf by pyproject.toml).
 CONF_MODULE = "lightning_mics.app.conf"
 CONF_PATH = f"pkg://{CONF_MODULE}"
+schema.register()
 
-
-@dataclass
-class MiCSStrategyConf(MiCSConfig):
-    """Schema of ``conf/strategy/mics.yaml``: every MiCSConfig option plus the class to instantiate."""
-
-    _target_: str = "lightning_mics.MiCSStrategy"
-
-
-ConfigStore.instance().store(group="strategy", name="mics_schema", node=MiCSStrategyConf)
+log = logging.getLogger("lightning_mics.app")
 
 # Hydra's flags that select the config; they are kept when a multirun job's argv is rewritten for its ranks.
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
@@ -85,63 +90,121 @@ def _prepare_multirun_job() -> None:
         hc.run.dir = hc.runtime.output_dir
 
 
+def _check_argv(argv: List[str]) -> None:
+    """``key=~/x``: bash expands ``~`` after ``=`` only in a shell variable assignment, so Hydra receives it, and
+    its override grammar refuses it with a lexer error; say so, with the fix, before Hydra parses."""
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and value.startswith("~") and not key.startswith("-"):
+            raise SystemExit(f"{arg}: the shell left '~' unexpanded (it expands it after '=' only in a shell "
+                             f"variable assignment), and Hydra's override grammar refuses it. Write "
+                             f"{key}=$HOME{value[1:]} instead, or quote the value for Hydra: \"{key}='{value}'\".")
+
+
+def _instantiate(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate``, except that a corpus mistake is reported as itself, in one message."""
+    try:
+        return hydra.utils.instantiate(node, _convert_="all", **kwargs)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, CorpusError):
+            raise UsageError(str(e.__cause__)) from None
+        raise
+
+
 def _instantiate_dict(node: Any) -> List[Any]:
-    return [hydra.utils.instantiate(v, _convert_="all") for v in (node or {}).values() if v is not None]
+    return [_instantiate(v) for v in (node or {}).values() if v is not None]
 
 
-def train(cfg: DictConfig) -> Dict[str, Any]:
+def _checkpoint_to_resume(ckpt_path: Optional[str]) -> Optional[str]:
+    if ckpt_path is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(ckpt_path))
+    if not os.path.exists(path):
+        raise UsageError(f"ckpt_path={ckpt_path!r}: no such checkpoint ({path}). Give the path of a saved "
+                         f"checkpoint, such as outputs/<date>/<time>/checkpoints/last.ckpt of an earlier run.")
+    return path
+
+
+def _route_lightning_logs() -> None:
+    """Lightning, imported before Hydra configured logging, gave its loggers stderr handlers of their own and
+    stopped them from propagating; hand their records to Hydra's handlers (the console and ``train.log``)."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if type(h) is logging.StreamHandler]:
+            logger.removeHandler(handler)
+        logger.propagate = True
+
+
+def train(cfg: DictConfig) -> Tuple[Dict[str, Any], bool]:
+    """Runs the job on this rank; returns (the report, rank 0 only, and whether Ctrl-C stopped it)."""
     import lightning as L
 
+    from lightning_mics.app.callbacks import StopOnInterrupt
     from lightning_mics.app.report import RunStats, write_report
 
+    schema.check_config(cfg)
+    ckpt_path = _checkpoint_to_resume(cfg.get("ckpt_path"))
     out_dir = HydraConfig.get().runtime.output_dir
     L.seed_everything(cfg.seed, workers=True)
-    datamodule = hydra.utils.instantiate(cfg.data, _convert_="all")
-    model = hydra.utils.instantiate(cfg.model, _convert_="all")
-    strategy = hydra.utils.instantiate(cfg.strategy, _convert_="all")
-    stats = RunStats()
-    logger = hydra.utils.instantiate(cfg.logger, _convert_="all") if cfg.get("logger") else False
-    callbacks = [*_instantiate_dict(cfg.get("callbacks")), stats]
+    datamodule = _instantiate(cfg.data)
+    model = _instantiate(cfg.model)
+    strategy = _instantiate(cfg.strategy)
+    stats, stop = RunStats(), StopOnInterrupt()
+    logger = _instantiate(cfg.logger) if cfg.get("logger") else False
+    callbacks = [*_instantiate_dict(cfg.get("callbacks")), stats, stop]
+    checkpoint = next((c for c in callbacks if isinstance(c, L.pytorch.callbacks.ModelCheckpoint)), None)
     # callbacks.checkpoint=null means no checkpoint at all, not Lightning's default ModelCheckpoint
-    no_checkpoint = {} if any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks) else {
-        "enable_checkpointing": False}
-    trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks,
-                                      _convert_="all", **no_checkpoint)
-    trainer.fit(model, datamodule=datamodule)
+    no_checkpoint = {} if checkpoint else {"enable_checkpointing": False}
+    trainer = _instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks, **no_checkpoint)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
 
+    interrupted = stop.stopped_at is not None
     report: Dict[str, Any] = {}
     if trainer.is_global_zero and cfg.report:
         metrics_csv = os.path.join(logger.log_dir, "metrics.csv") if logger else ""
-        report = write_report(trainer, stats, out_dir, metrics_csv,
-                              extra={"output_dir": out_dir, "data": getattr(datamodule, "source", None),
-                                     "model": cfg.model.get("_target_"),
-                                     "model_params": sum(p.numel() for p in model.parameters())})
-        _print_report(report, out_dir)
-    return report
+        extra = {"output_dir": out_dir, "data": getattr(datamodule, "source", None), "model": cfg.model.get("_target_"),
+                 "model_params": sum(p.numel() for p in model.parameters()), "resumed_from": ckpt_path,
+                 "stopped_by": "Ctrl-C (SIGINT)" if interrupted else None,
+                 "last_checkpoint": checkpoint.last_model_path if checkpoint else None}
+        report = write_report(trainer, stats, out_dir, metrics_csv, extra=extra)
+        _log_report(report, out_dir)
+    return report, interrupted
 
 
-def _print_report(report: Dict[str, Any], out_dir: str) -> None:
+def _log_report(report: Dict[str, Any], out_dir: str) -> None:
     from lightning_mics.app.report import summary_lines
 
     lines = [f"[report] {line}" for line in summary_lines(report)]
-    lines.append(f"[report] written to {out_dir}/report.md, report.json, loss.png")
-    print("\n".join(lines), flush=True)
+    lines.append(f"[report] written to {out_dir}/{', '.join(report['files'])}")
+    log.info("\n".join(lines))
 
 
-@hydra.main(config_path=CONF_PATH, config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _run(cfg: DictConfig) -> None:
+    """The Hydra task: one job, on every rank. Exits with 130 when Ctrl-C stopped it (a sweep stops there too)."""
     launched_here = "LOCAL_RANK" not in os.environ  # rank 0 of this job (ranks 1.. are its children)
     env_before = dict(os.environ)
+    _route_lightning_logs()
     if launched_here:
         _prepare_multirun_job()
     try:
-        train(cfg)
+        _, interrupted = train(cfg)
     finally:
         if launched_here and HydraConfig.get().mode == RunMode.MULTIRUN:
             if torch.distributed.is_available() and torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
             os.environ.clear()
             os.environ.update(env_before)
+    if interrupted:
+        raise SystemExit(130)
+
+
+_hydra_main = hydra.main(config_path=CONF_PATH, config_name="config", version_base="1.3")(_run)
+
+
+def main() -> None:
+    """``lightning-mics-train`` (and ``python -m lightning_mics.app.train``): Hydra parses the command line."""
+    _check_argv(sys.argv[1:])
+    _hydra_main()
 
 
 if __name__ == "__main__":

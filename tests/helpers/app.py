@@ -1,0 +1,61 @@
+"""The main job as a user starts it (``python -m lightning_mics.app.train``), for the app's tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+# A model small enough to train in seconds, but with matrices above the persistence threshold so that
+# MiCS really shards them (n_embd=32: c_fc 32x128 = 4096 elements > 1000).
+TINY = [
+    "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.warmup_steps=2",
+    "data.max_bytes=300000", "data.batch_size=8", "data.max_val_blocks=64",
+    "trainer.max_steps=24", "trainer.val_check_interval=8", "trainer.log_every_n_steps=2", "trainer.devices=2",
+    "callbacks.progress_bar.refresh_rate=0",
+]
+MICS_TINY = ["strategy.param_persistence_threshold=1000"]
+_LAUNCH_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+COMMAND = [sys.executable, "-m", "lightning_mics.app.train"]
+
+
+def app_env() -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_app(args: List[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run([*COMMAND, *args], cwd=cwd, env=app_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start_app(args: List[str], cwd: Path, log: Path, **kwargs: Any) -> subprocess.Popen:
+    """The job in the background, in a session of its own (as a shell runs a job: Ctrl-C reaches its whole
+    process group); stdout and stderr go to ``log``."""
+    out = open(log, "w")
+    return subprocess.Popen([*COMMAND, *args], cwd=cwd, env=app_env(), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True, **kwargs)
+
+
+def live_processes(pgid: int) -> List[str]:
+    """Processes of process group ``pgid`` that have not exited (zombies waiting to be reaped do not count)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            alive.append(stat.parent.name)
+    return alive
+
+
+def wait_for(path: Path, timeout: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before {path} appeared"
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout} s"
+        time.sleep(0.2)
