@@ -64,7 +64,7 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
     slots = _slots(engine)
     out: Dict[int, Dict[str, Any]] = defaultdict(dict)
     done = set()  # (index, state key) gathered with the units
-    scratch = Scratch()
+    scratch = Scratch(engine.units)
     if takes_part:
         for unit in engine.units:
             # (state key, dtype) -> one gather of every sharded parameter of the unit that has it

@@ -493,16 +493,23 @@ def _local_grad(p: Any) -> Optional[Tensor]:
 
 
 class Scratch:
-    """One reusable 1-D buffer per dtype and purpose (``key``), grown to the largest request."""
+    """One reusable 1-D buffer per dtype and purpose (``key``: "send" or "recv"), grown to the largest request.
 
-    def __init__(self) -> None:
+    ``units``: size the buffers for the largest of them at the first request, so a loop over the units never
+    regrows one (gloo's thread may still hold the smaller predecessor's Work, and both would be live at once).
+    """
+
+    def __init__(self, units: Sequence["Unit"] = ()) -> None:
         self._bufs: Dict[Tuple[torch.dtype, str], Tensor] = {}
+        self._least = {"send": max((u.shard_flat.numel() for u in units), default=0),
+                       "recv": max((u.s * u.shard_flat.numel() for u in units), default=0)}
 
     def get(self, n: int, dtype: torch.dtype, device: torch.device, key: str = "send") -> Tensor:
         buf = self._bufs.get((dtype, key))
         if buf is None or buf.numel() < n:
             self._bufs.pop((dtype, key), None)  # the old one goes before the larger one comes
-            buf = self._bufs[(dtype, key)] = torch.empty(n, dtype=dtype, device=device)
+            size = max(n, self._least.get(key, 0))
+            buf = self._bufs[(dtype, key)] = torch.empty(size, dtype=dtype, device=device)
         return buf[:n]
 
 
@@ -808,7 +815,7 @@ class MiCSEngine:
         keep = dst is None or rank == dst
         tp = self.topo.layout.tp_size > 1  # every rank takes part: tensor-parallel parts are gathered too
         full: Dict[int, Tensor] = {}
-        scratch = Scratch()
+        scratch = Scratch(self.units)
         for unit in self.units:
             if not tp and dst is not None and rank not in self.topo.layout.shard_group_of(dst):
                 continue  # only dst's shard group takes part
@@ -857,7 +864,7 @@ class MiCSEngine:
         unit. Collective. Returns ``{id(DTensor parameter): plain parameter}`` for re-pointing optimizers."""
         self.remove_hooks()
         mapping: Dict[int, nn.Parameter] = {}
-        scratch = Scratch()
+        scratch = Scratch(self.units)
         with torch.no_grad():
             for unit in self.units:
                 unit.release(force=True)
