@@ -16,6 +16,17 @@ module: the parameters stay DTensors, calling the module gathers unit by unit (a
 it), ``trainer.strategy.lightning_module_state_dict()`` and checkpoints work as during fit, and the next
 ``fit``/``validate``/``test`` on the same layout reuses the shards. After a failed ``fit`` the module is left
 sharded the same way (without any collective: a peer may be gone), and a second ``fit`` picks it up.
+``lightning_module_state_dict()`` is the full state dict on rank 0 and {} elsewhere, plain or sharded, as
+Lightning's sharded strategies return it; so is ``optimizer_state()`` with ``state_dict_type="full"``.
+
+[Note: optimizers follow the module]
+Lightning keeps fit's optimizers on the strategy through a later ``validate``/``test``/``predict`` (and saves
+them with ``trainer.save_checkpoint``), so every switch between plain and sharded re-points them: sharding a
+plain module moves each optimizer that holds its parameters onto the new shards with its state cut to this
+rank's rows, and making it plain gives them back the full parameters with the consolidated state. Module and
+optimizers never disagree about which parameters exist, whatever the order of the entry points. Both switches
+run under ``inference_mode(False)``: a ``with torch.inference_mode(): trainer.test(...)`` must not leave
+inference tensors as parameters or shards, which a later ``fit`` could not train.
 """
 
 from __future__ import annotations
@@ -70,6 +81,9 @@ _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _log = logging.getLogger("lightning.pytorch.strategies.mics")  # shown the way Lightning's own INFO lines are
 # The engine that shards a module, kept beside it (never inside: the module stays picklable).
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDictionary()
+# Checkpoint reads and writes go through DTensor and DCP, whose detach/copy refuse inference tensors: a user's
+# ``with torch.inference_mode(): trainer.test(ckpt_path=...)`` runs them with inference mode off.
+_outside_inference = torch.inference_mode(False)
 
 
 def _format(checkpoint: Mapping[str, Any]) -> Optional[str]:
@@ -286,7 +300,7 @@ class MiCSStrategy(ParallelStrategy):
         self.precision_plugin._mics_clip = self.clip_grad_norm_
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._shard_model()
+        self._shard_model(fitting=trainer.state.fn == TrainerFn.FITTING)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -319,7 +333,8 @@ class MiCSStrategy(ParallelStrategy):
                 + f" of {layout.ranks_per_node} ranks; using the flat all-gather.")
         return layout.hierarchical_possible and wanted is not False
 
-    def _shard_model(self) -> None:
+    def _shard_model(self, fitting: bool) -> None:
+        """[Note: optimizers follow the module]."""
         module = self.lightning_module
         options = self._engine_options()
         previous = _ENGINES.get(module)
@@ -327,12 +342,29 @@ class MiCSStrategy(ParallelStrategy):
             previous.reset()  # still sharded alike (a failed fit, or a model kept sharded): reuse the shards
             self._engine = previous
         else:
-            if previous is not None:  # sharded under another layout or options: make it plain first (collective)
-                previous.restore_module()
-            self._engine = MiCSEngine(module, self.topology, **options)
-            _ENGINES[module] = self._engine
+            # a fit builds its optimizers afresh after this; validate/test/predict keep fit's, which follow
+            optimizers = [] if fitting else self._optimizers_of(module)
+            with torch.inference_mode(False):  # a user's inference_mode must not make the shards inference tensors
+                if previous is not None:  # sharded under another layout or options: plain first (collective)
+                    self._make_plain(previous, optimizers)
+                names = {id(p): n for n, p in module.named_parameters()}
+                states = [opt.state_dict() for opt in optimizers]
+                self._engine = MiCSEngine(module, self.topology, **options)
+                _ENGINES[module] = self._engine
+                shards = dict(module.named_parameters())
+                for opt, state in zip(optimizers, states):
+                    for group in opt.param_groups:
+                        group["params"] = [shards[names[id(p)]] for p in group["params"]]
+                    opt.state.clear()
+                    ckpt.load_full_optimizer_state(self._engine, opt, state)
         self.model = _MiCSModule(module)
         self._log_model_state()
+
+    def _optimizers_of(self, module: nn.Module) -> List[torch.optim.Optimizer]:
+        """The strategy's optimizers that hold only ``module``'s parameters (Lightning's, from the last fit)."""
+        own = {id(p) for p in module.parameters()}
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
+        return [o for o in optimizers if all(id(p) in own for g in o.param_groups for p in g["params"])]
 
     def _log_model_state(self) -> None:
         """At start: the model-state bytes this rank will hold, against one unsharded copy."""
@@ -499,6 +531,7 @@ class MiCSStrategy(ParallelStrategy):
         if connector is not None and hasattr(connector, "_get_lightning_module_state_dict"):
             connector._get_lightning_module_state_dict = self._checkpoint_model_state
 
+    @_outside_inference
     def _checkpoint_model_state(self) -> Dict[str, Any]:
         if self._saves_sharded():
             return ckpt.model_state(self.lightning_module, self._live_engine())
@@ -509,10 +542,11 @@ class MiCSStrategy(ParallelStrategy):
         """The full state dict with the module's own keys, fp32 masters, on rank 0 ({} elsewhere). Built unit
         by unit; only rank 0's shard group takes part, and no other rank holds more than its shards."""
         if not self._sharded():
-            return super().lightning_module_state_dict()
+            return super().lightning_module_state_dict() if self.global_rank == 0 else {}
         return self.engine.full_state_dict(dst=0)
 
     @override
+    @_outside_inference
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if _format(checkpoint) == "sharded":  # read in place by load_checkpoint; this applies on_load_checkpoint edits
             set_model_state_dict(self.lightning_module, checkpoint["state_dict"],
@@ -530,10 +564,12 @@ class MiCSStrategy(ParallelStrategy):
             return ckpt.optimizer_state_by_name(self.lightning_module, optimizer, self._live_engine())
         if self._engine is None or not any(id(p) in {id(q) for q in self._engine.sharded_params()}
                                            for g in optimizer.param_groups for p in g["params"]):
-            return super().optimizer_state(optimizer)  # after fit the optimizer is plain again
+            # after fit the optimizer is plain again: full on rank 0, {} elsewhere (as the sharded case)
+            return super().optimizer_state(optimizer) if self.global_rank == 0 else {}
         return ckpt.full_optimizer_state(self.engine, optimizer, dst=0)
 
     @override
+    @_outside_inference
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
         if _format(checkpoint) == "sharded":
@@ -552,6 +588,7 @@ class MiCSStrategy(ParallelStrategy):
         return True  # states are loaded into the shards, which exist only after setup
 
     @override
+    @_outside_inference
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """"sharded": every rank writes its shards into a directory through DCP; "full": rank 0 writes one file.
         Either is written under a temporary name and published by one rename ([Note: crash-safe save] in
@@ -591,6 +628,7 @@ class MiCSStrategy(ParallelStrategy):
         return own
 
     @override
+    @_outside_inference
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         """A sharded directory (read into this rank's shards from any saved layout: [Note: resharding] in
         checkpoint.py) or a full file. Every rank checks the files first, and all agree on the verdict before any
@@ -691,11 +729,16 @@ class MiCSStrategy(ParallelStrategy):
         super().teardown()
 
     def _restore_plain_state(self) -> None:
-        """Full parameters back in the module, and each optimizer re-pointed at them with its consolidated
-        (full-shape) state, so module and optimizer are plain and consistent, as after DDP."""
         optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers]
-        full_states = [ckpt.full_optimizer_state(self.engine, o, dst=None) for o in optimizers]
-        mapping = self.engine.restore_module()
+        with torch.inference_mode(False):
+            self._make_plain(self.engine, optimizers)
+
+    @staticmethod
+    def _make_plain(engine: MiCSEngine, optimizers: List[torch.optim.Optimizer]) -> None:
+        """Full parameters back in the module, and each optimizer re-pointed at them with its consolidated
+        (full-shape) state, so module and optimizer are plain and consistent, as after DDP. Collective."""
+        full_states = [ckpt.full_optimizer_state(engine, o, dst=None) for o in optimizers]
+        mapping = engine.restore_module()
         for opt, state in zip(optimizers, full_states):
             for group in opt.param_groups:
                 group["params"] = [mapping.get(id(p), p) for p in group["params"]]
