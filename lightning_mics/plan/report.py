@@ -17,6 +17,8 @@ from lightning_mics.plan.settings import GiB, Settings, _fail
 
 @dataclass
 class Plan:
+    """Every estimated degree of one model and settings, the recommended one (the smallest s that fits), notes."""
+
     model: ModelSpec
     settings: Settings
     estimates: List[Estimate]
