@@ -15,7 +15,8 @@ Not to be confused with the `triton_kernels` package in Triton's own repository 
 `triton-kernels` distribution on PyPI; this one belongs to lightning-mics.
 """
 
-from ._checks import BACKENDS, SUPPORTED_DTYPES, triton_available
+from ._backend import BACKENDS, triton_available
+from ._checks import SUPPORTED_DTYPES
 from .api import chunk_cat, chunk_split, flatten, scatter
 
 __all__ = ["BACKENDS", "SUPPORTED_DTYPES", "chunk_cat", "chunk_split", "flatten", "scatter", "triton_available"]
