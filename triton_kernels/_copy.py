@@ -83,17 +83,18 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtype_arg: str) -> None:
-    """One launch of `kernel` over a (blocks, num_chunks) grid for `tensors` <-> `buf`.
+def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtype_arg: str, extra=()) -> None:
+    """One launch of `kernel(table, block_map, buf, total, *extra, ...)` over a (blocks, num_chunks) grid
+    for `tensors` <-> `buf`.
 
-    Shared by pack and unpack; `dtype_arg` names the kernel's constexpr for the tensors' dtype
-    ("SRC" when packing them, "DST" when unpacking into them).
+    Shared by pack, unpack and dequantize; `dtype_arg` names the kernel's constexpr for the tensors'
+    dtype ("SRC" when packing them, "DST" when unpacking into them).
     """
-    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
+    assert buf.is_contiguous() and (extra or buf.numel() == layout.num_chunks * layout.total)
     assert all(t.is_contiguous() and t.device == buf.device for t in tensors)
     d = descriptors(tensors, layout, buf)
     if d.n_blocks == 0:
         return
     dtype = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
-    launch(kernel, (d.n_blocks, layout.num_chunks), d.table, d.block_map, buf, layout.total,
+    launch(kernel, (d.n_blocks, layout.num_chunks), d.table, d.block_map, buf, layout.total, *extra,
            MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4, **{dtype_arg: dtype})
