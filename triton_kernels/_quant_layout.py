@@ -59,6 +59,7 @@ def quant_layout(numel: int, block_size: int, num_chunks: int = 1) -> QuantLayou
 
 def chunk_from_row_bytes(row_bytes: int, block_size: int) -> int:
     """c such that a chunk of c elements takes row_bytes on the wire (c + 4 * ceil(c / B) is increasing in c)."""
+    block_size = check_block_size(block_size)
     nb = -(-row_bytes // (block_size + 4))
     c = row_bytes - 4 * nb
     if c < 0 or c % 4 or -(-c // block_size) != nb:
