@@ -36,7 +36,9 @@ def quantize(tensors: Sequence[torch.Tensor], L: QuantLayout, residual: torch.Te
         x[:n] += residual.reshape(-1)
     xb = _blocks(x, L)
     bad = ~torch.isfinite(xb).all(dim=-1)
-    scale = torch.where(bad, float("nan"), xb.abs().amax(dim=-1) / 127.0)
+    # A tensor divisor, not the number 127: CUDA torch turns `t / number` into t * (1 / number), which is
+    # not the IEEE quotient the kernel computes (measured on an H100: scales one ulp apart).
+    scale = torch.where(bad, float("nan"), xb.abs().amax(dim=-1) / xb.new_tensor(127.0))
     ok = scale > 0
     y = (xb / torch.where(ok, scale, 1.0).unsqueeze(-1)).clamp_(-127.0, 127.0).round_()
     qf = torch.where(ok.unsqueeze(-1), y, 0.0)

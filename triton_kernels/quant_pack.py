@@ -9,8 +9,10 @@ _quant_layout.py); a block may span many small tensors: it finds the first and l
 in the pointer table (flat offsets increase) and loads each tensor's part with a masked load, the
 dtype branch uniform per tensor as in pack.py. Measured numbers: benchmarks/kernels.py (GPU).
 
-Bit-identical to _quant_fallback.quantize: fp32 throughout, round-half-even by the 1.5 * 2**23 trick
-(exact for |y| <= 127), fp fusion off (so x - q * scale is not contracted into an fma on a GPU).
+Bit-identical to _quant_fallback.quantize: fp32 throughout, IEEE division (div_rn: Triton's `/` is
+div.full.f32 on NVIDIA, off by up to 2 ulp, which changed scales and rounding on an H100), round half
+to even by the 1.5 * 2**23 trick (exact for |y| <= 127), fp fusion off (so x - q * scale is not
+contracted into an fma on a GPU).
 """
 
 import torch
@@ -28,7 +30,7 @@ _RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + _RNE - _RNE rounds y to an i
 def _last_at_or_before(table, n_rows, target, LOG_ROWS: tl.constexpr):
     """The last table row whose flat offset (column 2) is <= target (row 0 has offset 0)."""
     a = tl.full([], 0, tl.int64)
-    b = n_rows.to(tl.int64)
+    b = a + n_rows  # (n_rows may arrive as the constant 1: Triton specializes integer arguments equal to 1)
     for _ in tl.static_range(LOG_ROWS):
         mid = (a + b) // 2
         ok = tl.load(table + mid * 4 + 2) <= target
@@ -77,9 +79,9 @@ def quantize_kernel(table, n_rows, residual, wire, n, chunk, nblocks, row_bytes,
         x = x + cast_to(tl.load(residual + gi, mask=real, other=0.0), tl.float32)
     ax = tl.abs(x)
     bad = tl.max(((x != x) | (ax == float("inf"))).to(tl.int32), axis=0) > 0
-    scale = tl.where(bad, float("nan"), tl.max(ax, axis=0) / 127.0)
+    scale = tl.where(bad, float("nan"), tl.math.div_rn(tl.max(ax, axis=0), 127.0))
     ok = scale > 0.0  # False for zero blocks and (NaN) non-finite ones: q = 0 there
-    y = tl.minimum(tl.maximum(x / tl.where(ok, scale, 1.0), -127.0), 127.0)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.where(ok, scale, 1.0)), -127.0), 127.0)
     qf = tl.where(ok, (y + _RNE) - _RNE, 0.0)
     base = wire.to(tl.int64) + j * row_bytes
     tl.store(base.to(tl.pointer_type(tl.float32)) + k, scale)

@@ -66,7 +66,7 @@ def dequantize_sum_kernel(wire, out, num_chunks, chunk, nblocks, row_bytes, bloc
     col = k * block_size + offs
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in range(num_chunks):  # in order: the fallback sums the same way
-        base = wire.to(tl.int64) + j * row_bytes
+        base = wire.to(tl.int64) + (k * 0 + j) * row_bytes  # in int64: r * row_bytes may pass 2**31
         q = tl.load((base + 4 * nblocks + col).to(tl.pointer_type(tl.int8)), mask=mask, other=0)
         s = tl.load(base.to(tl.pointer_type(tl.float32)) + k)
         acc = acc + q.to(tl.float32) * s
