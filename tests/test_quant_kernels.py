@@ -379,8 +379,10 @@ cases = [
      dict(n_rows=1, n=1, block_size=1, SRC=tl.float16, MIXED=False, HAS_RES=True, LOG_ROWS=1, BLOCK=16)),
     (dequantize_sum_kernel, dict(wire="*u8", out="*fp32", chunk=i64, nblocks=i64, row_bytes=i64),
      dict(num_chunks=1, block_size=1, BLOCK=16)),  # ints equal to 1 arrive as constants (Triton specializes them)
-    (dequantize_kernel, dict(table="*i64", block_map="*i64", wire="*u8", total=i64, chunk=i64, nblocks=i64,
-                             row_bytes=i64, block_size=i32), dict(DST=tl.bfloat16, MIXED=True, BLOCK=4096)),
+    (dequantize_kernel, dict(table="*i64", n_rows=i64, wire="*u8", n=i64, chunk=i64, nblocks=i64, row_bytes=i64,
+                             block_size=i32), dict(DST=tl.bfloat16, MIXED=True, LOG_ROWS=7, BLOCK=4096)),
+    (dequantize_kernel, dict(table="*i64", wire="*u8", chunk=i64, nblocks=i64, row_bytes=i64),
+     dict(n_rows=1, n=1, block_size=1, DST=tl.float32, MIXED=False, LOG_ROWS=1, BLOCK=16)),
     (dequantize_sum_kernel, dict(wire="*u8", out="*fp32", num_chunks=i32, chunk=i64, nblocks=i64, row_bytes=i64,
                                  block_size=i32), dict(BLOCK=2048)),
 ]

@@ -73,6 +73,19 @@ def copy_block(src_addr, src_start, n_src, dst_addr, dst_start, n_dst, fast,
         tl.store(dst + offs, cast_to(x, DST), mask=offs < n_dst)
 
 
+@triton.jit
+def last_at_or_before(table, n_rows, target, LOG_ROWS: tl.constexpr):
+    """The last row of a tensor_table (see _table.py) whose flat offset (column 2) is <= target."""
+    a = tl.full([], 0, tl.int64)
+    b = a + n_rows  # (n_rows may arrive as the constant 1: Triton specializes integer arguments equal to 1)
+    for _ in tl.static_range(LOG_ROWS):
+        mid = (a + b) // 2
+        ok = tl.load(table + mid * 4 + 2) <= target
+        a = tl.where(ok, mid, a)
+        b = tl.where(ok, b, mid)
+    return a
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs) on the device of the tensors, built the way the backend choice assumed."""
     if (type(kernel).__name__ == "InterpretedFunction") != kernels_interpreted():
@@ -83,18 +96,17 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtype_arg: str, extra=()) -> None:
-    """One launch of `kernel(table, block_map, buf, total, *extra, ...)` over a (blocks, num_chunks) grid
-    for `tensors` <-> `buf`.
+def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtype_arg: str) -> None:
+    """One launch of `kernel` over a (blocks, num_chunks) grid for `tensors` <-> `buf`.
 
-    Shared by pack, unpack and dequantize; `dtype_arg` names the kernel's constexpr for the tensors'
-    dtype ("SRC" when packing them, "DST" when unpacking into them).
+    Shared by pack and unpack; `dtype_arg` names the kernel's constexpr for the tensors' dtype
+    ("SRC" when packing them, "DST" when unpacking into them).
     """
-    assert buf.is_contiguous() and (extra or buf.numel() == layout.num_chunks * layout.total)
+    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
     assert all(t.is_contiguous() and t.device == buf.device for t in tensors)
     d = descriptors(tensors, layout, buf)
     if d.n_blocks == 0:
         return
     dtype = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
-    launch(kernel, (d.n_blocks, layout.num_chunks), d.table, d.block_map, buf, layout.total, *extra,
+    launch(kernel, (d.n_blocks, layout.num_chunks), d.table, d.block_map, buf, layout.total,
            MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4, **{dtype_arg: dtype})

@@ -19,24 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ._copy import TL_DTYPES, cast_to, launch
+from ._copy import TL_DTYPES, cast_to, last_at_or_before, launch
 from ._quant_layout import QuantLayout
 from ._table import tensor_table
 
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + _RNE - _RNE rounds y to an integer, half to even
-
-
-@triton.jit
-def _last_at_or_before(table, n_rows, target, LOG_ROWS: tl.constexpr):
-    """The last table row whose flat offset (column 2) is <= target (row 0 has offset 0)."""
-    a = tl.full([], 0, tl.int64)
-    b = a + n_rows  # (n_rows may arrive as the constant 1: Triton specializes integer arguments equal to 1)
-    for _ in tl.static_range(LOG_ROWS):
-        mid = (a + b) // 2
-        ok = tl.load(table + mid * 4 + 2) <= target
-        a = tl.where(ok, mid, a)
-        b = tl.where(ok, b, mid)
-    return a
 
 
 @triton.jit
@@ -57,8 +44,8 @@ def quantize_kernel(table, n_rows, residual, wire, n, chunk, nblocks, row_bytes,
     gi = lo + offs
     real = gi < hi
     x = tl.zeros([BLOCK], dtype=tl.float32)
-    first = _last_at_or_before(table, n_rows, lo, LOG_ROWS)
-    last = _last_at_or_before(table, n_rows, tl.maximum(hi - 1, lo), LOG_ROWS)
+    first = last_at_or_before(table, n_rows, lo, LOG_ROWS)
+    last = last_at_or_before(table, n_rows, tl.maximum(hi - 1, lo), LOG_ROWS)
     for t in range(first, last + 1):  # every tensor that overlaps the block
         row = table + t * 4
         addr, numel, off = tl.load(row), tl.load(row + 1), tl.load(row + 2)
