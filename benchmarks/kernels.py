@@ -110,7 +110,8 @@ def quant_cases(op: str, dtype: torch.dtype, sizes: list[int], chunks: int, dev:
     wire = tk.quantize([torch.randn(n, device=dev)], block, num_chunks=chunks, backend="torch").wire
     if op == "dequantize":
         outs = [torch.empty(s, dtype=dtype, device=dev) for s in sizes]
-        fns = {k: (lambda b=b: tk.dequantize(wire, outs, block, num_chunks=chunks, backend=b)) for k, b in impls.items()}
+        fns = {k: (lambda b=b: tk.dequantize(wire, outs, block, num_chunks=chunks, backend=b))
+               for k, b in impls.items()}
         return wire_bytes + n * size, fns, lambda: torch.cat(outs)
     out = torch.empty(lay.chunk, device=dev)
     fns = {k: (lambda b=b: tk.dequantize_sum(wire, chunks, block, out=out, backend=b)) for k, b in impls.items()}

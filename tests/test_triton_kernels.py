@@ -108,7 +108,7 @@ print("ok")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
-KERNEL_MODULES = {"pack", "unpack", "quant_pack", "quant_unpack"}  # the modules that define @triton.jit kernels (+ their launchers)
+KERNEL_MODULES = {"pack", "unpack", "quant_pack", "quant_unpack"}  # define @triton.jit kernels (+ their launchers)
 
 
 def test_module_imports_one_way():

@@ -7,7 +7,10 @@ every input byte once (and the residual once) and writes the int8 values, the sc
 residual once. Program (k, j) owns block k of chunk j (see [Note: quantized wire format] in
 _quant_layout.py); a block may span many small tensors: it finds the first and last by binary search
 in the pointer table (flat offsets increase) and loads each tensor's part with a masked load, the
-dtype branch uniform per tensor as in pack.py. Measured numbers: benchmarks/kernels.py (GPU).
+dtype branch uniform per tensor as in pack.py. Measured on an H100 (benchmarks/kernels.py, 10 fp32
+tensors, 2048-element blocks, 8 chunks): 1 GB bucket in 0.81 ms (0.55 of copy bandwidth), 11.8x the
+torch fallback; with error feedback 2.0 ms (0.58 of copy), 7.0x. Not yet at copy speed: the loads are
+masked and of unknown alignment (no 128-bit accesses) and each program first binary-searches the table.
 
 Bit-identical to _quant_fallback.quantize: fp32 throughout, IEEE division (div_rn: Triton's `/` is
 div.full.f32 on NVIDIA, off by up to 2 ulp, which changed scales and rounding on an H100), round half
