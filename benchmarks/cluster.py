@@ -260,6 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     (out / "command.txt").write_text(command + "\n")
     port = 29600 + os.getpid() % 200
     with TwoHosts(f"cl{os.getpid() % 10000}") as hosts, open(out / "runs.jsonl", "a") as runs:
+        (out / "namespaces.txt").write_text(" ".join(hosts.names) + "\n")
         for rnd in range(args.rounds):
             for rate in args.rates:
                 hosts.shape(rate)

@@ -73,10 +73,12 @@ class CommClock:
         return self._scopes[key]
 
     def install(self) -> None:
-        for name, arg in _WRAPPED.items():
-            setattr(dist, name, self._wrap(name, getattr(dist, name), arg))
+        """Wraps the collectives and ``Work.wait`` of this process (``uninstall`` puts them back)."""
         work_cls = dist.distributed_c10d.Work
-        original_wait = work_cls.wait
+        self._originals = {name: getattr(dist, name) for name in _WRAPPED}
+        self._original_wait = original_wait = work_cls.wait
+        for name, arg in _WRAPPED.items():
+            setattr(dist, name, self._wrap(name, self._originals[name], arg))
         clock = self
 
         def wait(work: Any, *a: Any, **k: Any) -> Any:
@@ -88,6 +90,11 @@ class CommClock:
             return out
 
         work_cls.wait = wait
+
+    def uninstall(self) -> None:
+        for name, fn in self._originals.items():
+            setattr(dist, name, fn)
+        dist.distributed_c10d.Work.wait = self._original_wait
 
     def _wrap(self, name: str, fn: Any, arg: int) -> Any:
         sig = inspect.signature(fn)
