@@ -11,11 +11,11 @@ benchmarks/cluster_rank.py in both namespaces: ``--warmup`` optimizer steps, the
 (``ddp``, ``fsdp2_full``, ``fsdp2_hsdp``, ``mics_host``, ``mics_twohop``) are described there.
 
 Per case, rate and accumulation, one JSON line on stdout (and in ``rows.jsonl``):
-  step_s          median over the timed steps of all rounds of the slowest rank's step (wall clock between
-                  optimizer step ends)
+  step_s          median over the timed steps of all rounds of the slowest rank's step (wall clock from the
+                  previous step's end to this one's)
   link_bytes      bytes per step over the busier direction of the veth (``link_bytes_dirs``: host 0 -> 1, 1 -> 0),
-                  from the veth ends' counters sampled every 20 ms from outside the processes, attributed to steps
-                  by rank 0's step-end stamps (median over steps)
+                  from the veth ends' counters, read from outside the processes at every step end while all ranks
+                  wait ([Note: step marks] in twohosts.py; median over steps)
   floor_s         link_bytes / rate: the step time if the link were busy all the time and nothing else took any
   ar_wait_s       time a rank is blocked on all-reduces whose group spans both hosts, per step (mean over ranks,
                   median over steps); ``comm_wait_s`` the same over every cross-host collective ([Note: time waiting
@@ -36,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -81,15 +82,17 @@ def loadavg() -> List[float]:
 def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Namespace, folder: Path, port: int,
             ) -> Dict[str, Any]:
     """One torchrun on both hosts; the record ``summarize`` reads (``error`` set if it failed)."""
-    from twohosts import CounterLog, bytes_between
+    from twohosts import StepMarks, per_step
 
     folder.mkdir(parents=True)
-    script = [str(BENCH / "cluster_rank.py"), "--case", case, "--accum", str(accum), "--out", str(folder)]
+    sock = Path(tempfile.mkdtemp(prefix="clm")) / "s"  # a Unix socket path must stay under 108 characters
+    script = [str(BENCH / "cluster_rank.py"), "--case", case, "--accum", str(accum), "--out", str(folder),
+              "--marks", str(sock)]
     for k in ("width", "layers", "heads", "vocab", "seq", "batch", "steps", "warmup"):
         script += [f"--{k}", str(getattr(args, k))]
     rec: Dict[str, Any] = dict(case=case, rate_mbit=rate, accum=accum, warmup=args.warmup, load=loadavg())
     t0 = time.time()
-    with CounterLog(hosts) as log:
+    with StepMarks(hosts, sock) as marks:
         procs = hosts.torchrun(script, port, folder)
         try:
             codes = [p.wait(timeout=args.timeout) for p in procs]
@@ -100,16 +103,17 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+    sock.parent.rmdir()
     rec["wall_s"] = time.time() - t0
-    if codes != [0, 0]:
-        rec["error"] = f"exit {codes}; logs in {folder}"
+    last = args.warmup + args.steps
+    if codes != [0, 0] or sorted(marks.marks) != list(range(1, last + 1)):
+        rec["error"] = f"exit {codes}, counters read at steps {sorted(marks.marks)}; logs in {folder}"
         return rec
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
     rec["n_params"] = ranks[0]["n_params"]
-    rec["ranks"] = [dict(ends=r["ends"], comm=r["comm"]) for r in ranks]
+    rec["ranks"] = [dict(ends=r["ends"], resumes=r["resumes"], comm=r["comm"]) for r in ranks]
     rec["telemetry"] = ranks[0]["telemetry"][-1]
-    ends = ranks[0]["ends"]
-    rec["link_steps"] = [bytes_between(log.samples, a, b) for a, b in zip(ends[args.warmup - 1:], ends[args.warmup:])]
+    rec["link_steps"] = per_step(marks.marks, args.warmup + 1, last)
     return rec
 
 
@@ -130,7 +134,7 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
         steps, per_round, ar, cw, link, counted = [], [], [], [], [], defaultdict(list)
         for rec in recs:
             w = rec["warmup"]
-            durs = [[b - a for a, b in zip(r["ends"][w - 1:], r["ends"][w:])] for r in rec["ranks"]]
+            durs = [[e - b for b, e in zip(r["resumes"][w - 1:], r["ends"][w:])] for r in rec["ranks"]]
             slowest = [max(d) for d in zip(*durs)]
             steps += slowest
             per_round.append(statistics.median(slowest))

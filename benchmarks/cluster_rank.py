@@ -22,8 +22,9 @@ Both MiCS cases shard every parameter (``param_persistence_threshold=0``), as FS
 ``local``: one host) it counts calls and bytes (the larger of input and output) and the seconds this rank was
 blocked: the whole call when synchronous, the ``wait()`` when asynchronous. DDP's reducer waits for its buckets
 in C++, out of sight: for ``ddp`` the blocked time is estimated as the last bucket's completion minus the last
-bucket's issue (the end of backward's compute). A ``StepClock`` callback stamps every optimizer step's end
-(``time.time()``, comparable with benchmarks/cluster.py's counter samples) and takes the window.
+bucket's issue (the end of backward's compute). A ``StepClock`` callback stamps every optimizer step's end, takes
+the window, and (with ``--marks``) has the link's counters read while all ranks wait ([Note: step marks] in
+twohosts.py); a step is timed from the previous step's handshake to its own end.
 """
 
 from __future__ import annotations
@@ -205,6 +206,8 @@ def run(args: argparse.Namespace) -> None:
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
+    from twohosts import ask_mark
+
     clock = CommClock()
     clock.install()
     case = args.case
@@ -212,6 +215,8 @@ def run(args: argparse.Namespace) -> None:
     class StepClock(L.Callback):
         def __init__(self) -> None:
             self.ends: List[float] = []
+            self.resumes: List[float] = []  # after the step-mark handshake ([Note: step marks] in twohosts.py)
+            self.conn: Any = None
             self.comm: List[Dict[str, Any]] = []
             self.telemetry: List[Dict[str, float]] = []
 
@@ -226,6 +231,12 @@ def run(args: argparse.Namespace) -> None:
             self.ends.append(time.time())
             self.comm.append(clock.take())
             self.telemetry.append(dict(getattr(trainer.strategy, "comm_stats", {}) or {}))
+            if args.marks:
+                dist.barrier()
+                if dist.get_rank() == 0:
+                    self.conn = ask_mark(args.marks, trainer.global_step, self.conn)
+                dist.barrier()
+            self.resumes.append(time.time())
 
     rank = int(os.environ["RANK"])
     steps = args.warmup + args.steps
@@ -238,7 +249,7 @@ def run(args: argparse.Namespace) -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=args.batch))
-    out = dict(rank=trainer.global_rank, case=case, ends=timer.ends, comm=timer.comm, telemetry=timer.telemetry,
+    out = dict(rank=trainer.global_rank, case=case, ends=timer.ends, resumes=timer.resumes, comm=timer.comm, telemetry=timer.telemetry,
                n_params=module.n_params, global_step=trainer.global_step)
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
@@ -262,4 +273,5 @@ if __name__ == "__main__":
     ap.add_argument("--case", choices=CASES, required=True)
     ap.add_argument("--accum", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--marks", default=None, help="Unix socket of benchmarks/cluster.py's step marks")
     run(ap.parse_args())

@@ -4,9 +4,15 @@ Two network namespaces joined by a veth pair (tests/helpers/netns.py, loopback-r
 loopback-range hosts] there) act as two hosts. Each namespace holds one idle ``sleep`` process from start to end,
 so that the counters of its veth end can be read from the root namespace at any time through
 ``/proc/<pid>/net/dev`` (the same device statistics as ``/sys/class/net/<if>/statistics`` inside the namespace:
-both are ``dev_get_stats``; tests/test_cluster_benchmark.py compares them). A veth end's ``tx_bytes`` is what that
-host sent to the other: every byte between the hosts, headers included, and nothing else (intra-host traffic stays
-on the namespace's loopback).
+both are ``dev_get_stats``). A veth end's ``tx_bytes`` is what that host sent to the other: every byte between
+the hosts, headers included, and nothing else (intra-host traffic stays on the namespace's loopback).
+
+[Note: step marks]
+Bytes are attributed to optimizer steps exactly, not by sampling: at each step end every rank enters a barrier,
+rank 0 then asks this process (``StepMarks``, a Unix socket: a path in the shared filesystem, reachable from any
+network namespace) to read both counters, waits for the answer, and a second barrier releases all ranks. Between
+the barriers no rank is inside a collective of either step, so the link is quiet while the counters are read;
+the ranks leave the handshake out of their step times.
 
 The link is shaped on both ends' egress with ``tc tbf`` (rate only; the kernel of benchmarks/RESULTS.md has no
 netem qdisc), so each direction carries at most the rate. :func:`probe` measures what one TCP stream really gets
@@ -22,17 +28,13 @@ import subprocess
 import sys
 import threading
 import time
-from bisect import bisect_left
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 from tests.helpers.netns import HOSTS, join  # noqa: E402
-
-Sample = Tuple[float, int, int]  # (time.time(), tx bytes of host 0's end, tx bytes of host 1's end)
-
 
 def parse_net_dev(text: str, iface: str) -> Tuple[int, int]:
     """``(rx_bytes, tx_bytes)`` of ``iface`` from the text of ``/proc/net/dev``."""
@@ -44,25 +46,10 @@ def parse_net_dev(text: str, iface: str) -> Tuple[int, int]:
     raise KeyError(f"interface {iface!r} not in /proc/net/dev")
 
 
-def counter_at(samples: Sequence[Sample], t: float) -> Tuple[float, float]:
-    """Both directions' byte counters at time ``t``, linear between the two samples around it (clamped at the
-    ends of the series)."""
-    times = [s[0] for s in samples]
-    i = bisect_left(times, t)
-    if i == 0:
-        return float(samples[0][1]), float(samples[0][2])
-    if i == len(samples):
-        return float(samples[-1][1]), float(samples[-1][2])
-    (t0, a0, b0), (t1, a1, b1) = samples[i - 1], samples[i]
-    w = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
-    return a0 + w * (a1 - a0), b0 + w * (b1 - b0)
-
-
-def bytes_between(samples: Sequence[Sample], t0: float, t1: float) -> Tuple[float, float]:
-    """Bytes each direction carried between ``t0`` and ``t1`` (host 0 -> 1, host 1 -> 0)."""
-    a0, b0 = counter_at(samples, t0)
-    a1, b1 = counter_at(samples, t1)
-    return a1 - a0, b1 - b0
+def per_step(marks: Dict[int, Tuple[int, int]], first: int, last: int) -> List[Tuple[int, int]]:
+    """Bytes each direction carried in steps ``first..last`` (host 0 -> 1, host 1 -> 0), from the counters read at
+    the end of each step and of the step before ``first``."""
+    return [(marks[k][0] - marks[k - 1][0], marks[k][1] - marks[k - 1][1]) for k in range(first, last + 1)]
 
 
 def tbf_args(rate_mbit: float) -> List[str]:
@@ -152,33 +139,61 @@ class TwoHosts:
         return procs
 
 
-class CounterLog:
-    """Samples both directions' counters every ``interval`` seconds in a thread: ``with CounterLog(hosts) as log``,
-    then ``log.samples``."""
+class StepMarks:
+    """Reads a counter pair whenever rank 0 asks ([Note: step marks]): ``with StepMarks(hosts, path) as marks``,
+    then ``marks.marks`` (step -> ``counters()``). Protocol: one line ``<step>\\n`` per request, answered ``ok\\n``
+    once read. ``source`` is anything with a ``counters()`` method."""
 
-    def __init__(self, hosts: TwoHosts, interval: float = 0.02) -> None:
-        self.hosts, self.interval = hosts, interval
-        self.samples: List[Sample] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def __init__(self, source: Any, path: Path) -> None:
+        self.source, self.path = source, Path(path)
+        self.marks: Dict[int, Tuple[int, int]] = {}
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(self.path))
+        self._server.listen(1)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
 
-    def _sample(self) -> None:
-        a, b = self.hosts.counters()
-        self.samples.append((time.time(), a, b))
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._server.accept()
+        except OSError:  # closed before anyone connected (the run failed early)
+            return
+        with conn, conn.makefile("rw") as f:
+            for line in f:
+                self.marks[int(line)] = self.source.counters()
+                f.write("ok\n")
+                f.flush()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def __enter__(self) -> "CounterLog":
-        self._sample()
+    def __enter__(self) -> "StepMarks":
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+        if not self.marks:  # nobody connected (the run failed early): wake ``accept`` with an empty connection
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                try:
+                    wake.connect(str(self.path))
+                except OSError:
+                    pass
+        self._thread.join(timeout=10)
+        self._server.close()
+        self.path.unlink(missing_ok=True)
+
+
+def ask_mark(path: str, step: int, conn: Optional[socket.socket] = None) -> socket.socket:
+    """Rank 0's side of :class:`StepMarks`: asks for the counters at the end of ``step``; returns the connection
+    to use next time."""
+    if conn is None:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(60)
+        conn.connect(path)
+    conn.sendall(f"{step}\n".encode())
+    answer = b""
+    while not answer.endswith(b"\n"):
+        chunk = conn.recv(16)
+        if not chunk:
+            raise ConnectionError(f"step marks at {path}: closed before answering step {step}")
+        answer += chunk
+    return conn
 
 
 # -- what one TCP stream gets through the shaped link ----------------------------------------------------------
