@@ -185,15 +185,18 @@ def _f(x: Optional[float], fmt: str) -> str:
 
 
 def table(rows: Sequence[Dict[str, Any]]) -> str:
-    head = ("| link | accum | case | step s | / best peer | / fsdp2_full | link MB/step | / HSDP bytes | floor s "
-            "| step / floor | AR wait s | comm wait s |")
+    head = ("| link | accum | case | step s | per round | / best peer | / fsdp2_full | link MB/step | / HSDP bytes "
+            "| floor s | step / floor | AR wait s | comm wait s | load 1-min |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for r in rows:
         link = f"{r['rate_mbit']:g} Mbit/s" if r["rate_mbit"] else "unshaped"
-        lines.append(f"| {link} | {r['accum']} | {r['case']} | {r['step_s']:.2f} | {_f(r['vs_best_peer'], '.2f')} | "
-                     f"{_f(r['vs_fsdp2_full'], '.2f')} | {r['link_bytes'] / 1e6:.1f} | "
+        rounds = " / ".join(f"{x:.2f}" for x in r["step_s_rounds"])
+        lines.append(f"| {link} | {r['accum']} | {r['case']} | {r['step_s']:.2f} | {rounds} | "
+                     f"{_f(r['vs_best_peer'], '.2f')} | {_f(r['vs_fsdp2_full'], '.2f')} | "
+                     f"{r['link_bytes'] / 1e6:.1f} | "
                      f"{_f(r['bytes_vs_hsdp'], '.2f')} | {_f(r['floor_s'], '.2f')} | "
-                     f"{_f(r['step_over_floor'], '.2f')} | {r['ar_wait_s']:.2f} | {r['comm_wait_s']:.2f} |")
+                     f"{_f(r['step_over_floor'], '.2f')} | {r['ar_wait_s']:.2f} | {r['comm_wait_s']:.2f} | "
+                     f"{r['load1'][0]:.1f}-{r['load1'][1]:.1f} |")
     return "\n".join(lines)
 
 
@@ -208,7 +211,8 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(accums), figsize=(5.5 * len(accums), 4), squeeze=False)
     for ax, accum in zip(axes[0], accums):
         for case in CASES:
-            pts = [(rates.index(r["rate_mbit"]), r["step_s"]) for r in rows if r["case"] == case and r["accum"] == accum]
+            pts = [(rates.index(r["rate_mbit"]), r["step_s"]) for r in rows
+                   if r["case"] == case and r["accum"] == accum]
             if pts:
                 ax.plot(*zip(*sorted(pts)), marker="o", label=case)
         floor = [(rates.index(r["rate_mbit"]), r["floor_s"]) for r in rows
@@ -229,6 +233,8 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
 
 def report(folder: Path, command: str) -> List[Dict[str, Any]]:
     records = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines() if line.strip()]
+    if (folder / "command.txt").exists():  # the command that ran, not the one that asks for the report again
+        command = (folder / "command.txt").read_text().strip()
     rows = summarize(records)
     with open(folder / "rows.jsonl", "w") as f:
         for row in rows:

@@ -249,8 +249,8 @@ def run(args: argparse.Namespace) -> None:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=args.batch))
-    out = dict(rank=trainer.global_rank, case=case, ends=timer.ends, resumes=timer.resumes, comm=timer.comm, telemetry=timer.telemetry,
-               n_params=module.n_params, global_step=trainer.global_step)
+    out = dict(rank=trainer.global_rank, case=case, ends=timer.ends, resumes=timer.resumes, comm=timer.comm,
+               telemetry=timer.telemetry, n_params=module.n_params, global_step=trainer.global_step)
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
