@@ -12,6 +12,14 @@ baseline). Timing: triton.testing.do_bench (median) on CUDA. On a CPU the Triton
 the interpreter, which is not worth timing, so only the torch baselines are timed there (perf_counter,
 fastest of 10). Every implementation's output is checked bit for bit against the others before timing.
 Writes <out>/kernels.md and <out>/kernels.png.
+
+Quantized ops (block-quantized int8 with fp32 scales, --block-size elements per scale, --chunks chunks):
+quantize (a bucket of n tensors -> int8 wire), quantize+ef (with an fp32 error-feedback residual read and
+rewritten), dequantize (wire -> n tensors), dequantize_sum (an all-to-all's --chunks rows -> their fp32 sum).
+"cast" there is the dtype of the float side (inputs of quantize, outputs of dequantize); "torch fallback" is
+triton_kernels' own torch path (the plain torch ops it replaces, bit-identical to the kernel). GB/s counts
+the float bytes, the int8 bytes and the scales (and the residual twice) once each. The CPU figures time that
+torch path only; the kernels' real speed needs a GPU.
 """
 
 from __future__ import annotations
@@ -28,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton_kernels as tk  # noqa: E402
 
 OPS = ("flatten", "scatter", "chunk_cat", "chunk_split")
+QUANT_OPS = ("quantize", "quantize+ef", "dequantize", "dequantize_sum")
 CASTS = {"fp32": torch.float32, "fp32->bf16": torch.bfloat16}
+QUANT_CASTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def sizes_for(n: int, total: int, gen: torch.Generator, unaligned: bool) -> list[int]:
@@ -39,8 +49,10 @@ def sizes_for(n: int, total: int, gen: torch.Generator, unaligned: bool) -> list
     return s
 
 
-def cases(op: str, dst: torch.dtype, sizes: list[int], chunks: int, dev: str):
+def cases(op: str, dst: torch.dtype, sizes: list[int], chunks: int, dev: str, block: int = 2048):
     """-> (bytes moved, {impl: fn}, check) for one configuration; every fn writes the same output."""
+    if op in QUANT_OPS:
+        return quant_cases(op, dst, sizes, chunks, dev, block)
     src = [torch.randn(s, device=dev) for s in sizes]
     n_el = sum(sizes)
     if op in ("flatten", "scatter"):
@@ -74,6 +86,38 @@ def cases(op: str, dst: torch.dtype, sizes: list[int], chunks: int, dev: str):
     return moved, fns, lambda: torch.cat(outs)
 
 
+def quant_cases(op: str, dtype: torch.dtype, sizes: list[int], chunks: int, dev: str, block: int):
+    src = [torch.randn(s, device=dev).to(dtype) for s in sizes]
+    n, size = sum(sizes), src[0].element_size()
+    lay = tk.quant_layout(n, block, chunks)
+    wire_bytes = chunks * lay.row_bytes
+    impls = {"triton": "triton", "torch fallback": "torch"}
+    if op in ("quantize", "quantize+ef"):
+        wire = torch.empty(wire_bytes, dtype=torch.uint8, device=dev)
+        if op == "quantize":
+            fns = {k: (lambda b=b: tk.quantize(src, block, num_chunks=chunks, out=wire, backend=b))
+                   for k, b in impls.items()}
+            return n * size + wire_bytes, fns, lambda: wire.clone()
+        start = torch.randn(n, device=dev) * 1e-3
+        res = torch.empty_like(start)
+
+        def with_residual(b):  # the residual is rewritten each call: restart it so every impl sees the same
+            res.copy_(start)
+            tk.quantize(src, block, num_chunks=chunks, residual=res, out=wire, backend=b)
+
+        fns = {k: (lambda b=b: with_residual(b)) for k, b in impls.items()}
+        return n * size + wire_bytes + 2 * 4 * n, fns, lambda: torch.cat([wire, res.view(torch.uint8)])
+    wire = tk.quantize([torch.randn(n, device=dev)], block, num_chunks=chunks, backend="torch").wire
+    if op == "dequantize":
+        outs = [torch.empty(s, dtype=dtype, device=dev) for s in sizes]
+        fns = {k: (lambda b=b: tk.dequantize(wire, outs, block, num_chunks=chunks, backend=b))
+               for k, b in impls.items()}
+        return wire_bytes + n * size, fns, lambda: torch.cat(outs)
+    out = torch.empty(lay.chunk, device=dev)
+    fns = {k: (lambda b=b: tk.dequantize_sum(wire, chunks, block, out=out, backend=b)) for k, b in impls.items()}
+    return wire_bytes + 4 * lay.chunk, fns, lambda: out.clone()
+
+
 def timer(dev: str):
     if dev == "cuda":
         import triton.testing
@@ -100,12 +144,14 @@ def run(args) -> list[dict]:
         print(f"device {dev}: the Triton path needs a GPU (CUDA) and is not timed here; torch baselines only.")
     sizes_b = [b for b in (2**20 * 4**k for k in range(6)) if args.min_bytes <= b <= args.max_bytes]
     for op in args.ops:
-        for cast, dst in CASTS.items():
+        casts = CASTS if op in OPS else {"fp32": torch.float32} if op == "dequantize_sum" else QUANT_CASTS
+        for cast, dst in casts.items():
             for n in args.tensors:
                 for nbytes in sizes_b:
                     sizes = sizes_for(n, nbytes // 4, gen, args.unaligned)
                     key = dict(op=op, cast=cast, n=n, bytes=nbytes)
-                    rows += measure(key, cases(op, dst, sizes, args.chunks, dev), bench, use_triton, dev)
+                    case = cases(op, dst, sizes, args.chunks, dev, args.block_size)
+                    rows += measure(key, case, bench, use_triton, dev)
                     if dev == "cuda":
                         torch.cuda.empty_cache()
                     report_group(rows, op, cast, n, nbytes)
@@ -160,7 +206,7 @@ def write(rows, out: Path, device: str) -> None:
 
     from matplotlib.ticker import FuncFormatter
 
-    panels = sorted({(r["op"], r["cast"]) for r in rows}, key=lambda p: (OPS.index(p[0]), p[1]))
+    panels = sorted({(r["op"], r["cast"]) for r in rows}, key=lambda p: ((*OPS, *QUANT_OPS).index(p[0]), p[1]))
     ns = sorted({r["n"] for r in rows})
     colors = {impl: f"C{i}" for i, impl in enumerate(dict.fromkeys(r["impl"] for r in rows))}
     fig, axes = plt.subplots(len(panels), len(ns), figsize=(4.5 * len(ns), 3 * len(panels)), squeeze=False)
@@ -189,8 +235,9 @@ def main(argv=None) -> None:
     p.add_argument("--max-bytes", type=float, default=2**30 if gpu else 4 * 2**20,
                    help="default: 1 GB on a GPU, 4 MB on CPU")
     p.add_argument("--tensors", type=lambda s: [int(x) for x in s.split(",")], default=[10, 100, 1000])
-    p.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS))
+    p.add_argument("--ops", type=lambda s: s.split(","), default=[*OPS, *QUANT_OPS])
     p.add_argument("--chunks", type=int, default=8, help="num_chunks for chunk_cat / chunk_split (shard group size)")
+    p.add_argument("--block-size", type=int, default=2048, help="elements per scale for the quantized ops")
     p.add_argument("--unaligned", action="store_true", help="tensor sizes of any length (masked, scalar path)")
     args = p.parse_args(argv)
     rows = run(args)

@@ -64,6 +64,17 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
 
+def fsdp2_shard(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2 as its users wrap a GPT: ``fully_shard`` per block, then on the root (embeddings, final norm, head).
+    A 1-D mesh shards over all its ranks; a 2-D (replicate, shard) mesh is HSDP. Also used by
+    ``benchmarks/cluster_rank.py``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.h:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def build(case: str, cfg: GPTConfig):
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -74,13 +85,9 @@ def build(case: str, cfg: GPTConfig):
         return DDP(model), None
     if case.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
-        for block in model.h:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model, None
+        return fsdp2_shard(model, mesh), None
     from lightning_mics.runtime import MiCSEngine
     from lightning_mics.topology import build_topology, plan_layout
 

@@ -28,7 +28,7 @@ INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16
 def device():
     """CPU under TRITON_INTERPRET=1 (conftest sets it); CUDA when the kernels are compiled for a GPU."""
     pytest.importorskip("triton")
-    from triton_kernels._checks import kernels_interpreted
+    from triton_kernels._backend import kernels_interpreted
 
     if kernels_interpreted():
         return "cpu"
@@ -106,6 +106,28 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+KERNEL_MODULES = {"pack", "unpack", "quant_pack", "quant_unpack"}  # define @triton.jit kernels (+ their launchers)
+
+
+def test_module_imports_one_way():
+    """The checks and the backend choice import no kernel module; no kernel module imports another;
+    only the public api modules reach the kernels (lazily, once the backend is chosen)."""
+    import ast
+
+    pkg = REPO / "triton_kernels"
+    for path in pkg.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        defines_kernel = any(isinstance(d, ast.Attribute) and d.attr == "jit" for node in ast.walk(tree)
+                             if isinstance(node, ast.FunctionDef) for d in node.decorator_list)
+        assert defines_kernel == (path.stem in KERNEL_MODULES) or path.stem == "_copy", path.name
+        imported = {(node.module or "").lstrip(".") for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.level == 1}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1
+                     and not node.module for alias in node.names}
+        if "api" not in path.stem:
+            assert not imported & KERNEL_MODULES, f"{path.name} imports kernel modules {imported & KERNEL_MODULES}"
 
 
 # --- agreement with references and between backends ---------------------------------------------------

@@ -6,6 +6,11 @@
     buf = triton_kernels.chunk_cat(tensors, num_chunks, out=None, dtype=None, backend="auto")  # rank-major
     triton_kernels.chunk_split(buf, outs, num_chunks, backend="auto")              # inverse of chunk_cat
 
+    qz = triton_kernels.quantize(tensors, block_size, num_chunks=1, residual=None, out=None, backend="auto")
+    triton_kernels.dequantize(qz.wire, outs, block_size, num_chunks=1, backend="auto")  # int8 blocks -> floats
+    part = triton_kernels.dequantize_sum(wire, num_chunks, block_size, out=None, backend="auto")  # fp32 sum
+    (block-quantized int8 with fp32 scales for the slow hop: see quant_api.py and _quant_layout.py)
+
 backend: "auto" runs Triton on CUDA tensors and torch ops elsewhere; "triton" forces the kernels
 (on CPU only under TRITON_INTERPRET=1); "torch" forces the fallback. Both give bit-identical results
 (NaN payloads aside: see _copy.py). Supported dtypes: float32, bfloat16, float16, mixed freely.
@@ -15,7 +20,12 @@ Not to be confused with the `triton_kernels` package in Triton's own repository 
 `triton-kernels` distribution on PyPI; this one belongs to lightning-mics.
 """
 
-from ._checks import BACKENDS, SUPPORTED_DTYPES, triton_available
+from ._backend import BACKENDS, triton_available
+from ._checks import SUPPORTED_DTYPES
+from ._quant_layout import MAX_BLOCK_SIZE, QuantLayout, quant_layout, wire_views
 from .api import chunk_cat, chunk_split, flatten, scatter
+from .quant_api import Quantized, dequantize, dequantize_sum, quantize
 
-__all__ = ["BACKENDS", "SUPPORTED_DTYPES", "chunk_cat", "chunk_split", "flatten", "scatter", "triton_available"]
+__all__ = ["BACKENDS", "MAX_BLOCK_SIZE", "QuantLayout", "Quantized", "SUPPORTED_DTYPES", "chunk_cat", "chunk_split",
+           "dequantize", "dequantize_sum", "flatten", "quant_layout", "quantize", "scatter", "triton_available",
+           "wire_views"]

@@ -1,20 +1,17 @@
-"""Argument checks, backend choice and the chunk layout, shared by the Triton and torch paths.
+"""Argument checks and the chunk layout, shared by the Triton and torch paths.
 
 Both backends go through the same checks, so they accept and refuse exactly the same inputs.
-Nothing here imports triton.
+Nothing here imports triton or a kernel module (the backend choice is _backend.py).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import operator
 from itertools import accumulate
 from typing import NamedTuple, Sequence
 
 import torch
 
-BACKENDS = ("auto", "triton", "torch")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_CHUNKS = 65535  # CUDA's limit on grid axis 1, where the Triton kernels put the chunk index
 
@@ -31,12 +28,6 @@ class Layout(NamedTuple):
     offsets: tuple[int, ...]  # where tensor i's chunk starts inside one row
     total: int  # elements in one row
     num_chunks: int
-
-
-def check_backend(backend: object) -> str:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not supported; allowed values: {', '.join(map(repr, BACKENDS))}")
-    return backend  # type: ignore[return-value]
 
 
 def check_num_chunks(num_chunks: object) -> int:
@@ -114,40 +105,3 @@ def make_layout(tensors: Sequence[torch.Tensor], num_chunks: int) -> Layout:
         segs = [-(-d0 // num_chunks) * (n // d0) if d0 else 0 for n, d0 in zip(numels, d0s)]
     offsets = list(accumulate(segs, initial=0))
     return Layout(tuple(numels), tuple(segs), tuple(offsets[:-1]), offsets[-1], num_chunks)
-
-
-_TRITON_FOUND: bool | None = None
-
-
-def triton_available() -> bool:
-    """Whether the optional `triton` package is installed (checked without importing it)."""
-    global _TRITON_FOUND
-    if _TRITON_FOUND is None:
-        try:
-            _TRITON_FOUND = importlib.util.find_spec("triton") is not None
-        except (ImportError, ValueError):
-            _TRITON_FOUND = False
-    return _TRITON_FOUND
-
-
-def use_triton(backend: str, device: torch.device | None) -> bool:
-    """"auto": Triton for CUDA tensors (compiled, not interpreted), torch elsewhere; "triton" forces it."""
-    if backend == "torch" or device is None:
-        return False
-    if backend == "auto":
-        return device.type == "cuda" and triton_available() and not kernels_interpreted()
-    if not triton_available():
-        raise RuntimeError("backend='triton' needs the optional `triton` package (pip install triton)")
-    interpreted = kernels_interpreted()
-    if device.type == "cpu" and not interpreted:
-        raise RuntimeError("backend='triton' on CPU tensors runs only under TRITON_INTERPRET=1, set before "
-                           "the first Triton call; use backend='torch' or 'auto' on CPU")
-    if device.type != "cpu" and interpreted:
-        raise RuntimeError(f"backend='triton' under TRITON_INTERPRET=1 works on CPU tensors only, got {device}: "
-                           "the interpreter cannot follow the device pointers in the descriptor table")
-    return True
-
-
-def kernels_interpreted() -> bool:
-    """Whether our kernels were built by the Triton interpreter (TRITON_INTERPRET=1 at their first import)."""
-    return type(importlib.import_module("triton_kernels.pack").pack_kernel).__name__ == "InterpretedFunction"

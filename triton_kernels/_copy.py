@@ -1,4 +1,6 @@
-"""Triton helpers shared by pack.py and unpack.py: copy one block with a cast.
+"""What the kernel modules share: copy one block with a cast (Triton helpers), and the launcher.
+
+The kernel modules (pack.py, unpack.py, ...) import this module and never each other.
 
 Why the bf16 rounding is written out: torch (CPU and CUDA) and `cvt.rn.bf16.f32` on a GPU round
 float32 -> bfloat16 to nearest even, but Triton 3.9's interpreter truncates in `.to(tl.bfloat16)`,
@@ -11,8 +13,17 @@ interpreter's own conversion mangles subnormals. fp16 targets use `.to()` (round
 everywhere); bf16 <-> fp16 goes through float32, exactly like torch.
 """
 
+import contextlib
+
+import torch
 import triton
 import triton.language as tl
+
+from ._backend import kernels_interpreted
+from ._checks import Layout
+from ._table import BLOCK, descriptors
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -60,3 +71,42 @@ def copy_block(src_addr, src_start, n_src, dst_addr, dst_start, n_dst, fast,
         dst = dst_addr.to(tl.pointer_type(DST)) + dst_start
         x = tl.load(src + offs, mask=offs < n_src, other=0.0)
         tl.store(dst + offs, cast_to(x, DST), mask=offs < n_dst)
+
+
+@triton.jit
+def last_at_or_before(table, n_rows, target, LOG_ROWS: tl.constexpr):
+    """The last row of a tensor_table (see _table.py) whose flat offset (column 2) is <= target."""
+    a = tl.full([], 0, tl.int64)
+    b = a + n_rows  # (n_rows may arrive as the constant 1: Triton specializes integer arguments equal to 1)
+    for _ in tl.static_range(LOG_ROWS):
+        mid = (a + b) // 2
+        ok = tl.load(table + mid * 4 + 2) <= target
+        a = tl.where(ok, mid, a)
+        b = tl.where(ok, b, mid)
+    return a
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs) on the device of the tensors, built the way the backend choice assumed."""
+    if (type(kernel).__name__ == "InterpretedFunction") != kernels_interpreted():
+        raise RuntimeError("TRITON_INTERPRET changed after triton_kernels first used Triton: set it once, "
+                           "before the first Triton call")
+    dev = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    with torch.cuda.device(dev) if dev is not None and dev.type == "cuda" else contextlib.nullcontext():
+        kernel[grid](*args, **kwargs)
+
+
+def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtype_arg: str) -> None:
+    """One launch of `kernel` over a (blocks, num_chunks) grid for `tensors` <-> `buf`.
+
+    Shared by pack and unpack; `dtype_arg` names the kernel's constexpr for the tensors' dtype
+    ("SRC" when packing them, "DST" when unpacking into them).
+    """
+    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
+    assert all(t.is_contiguous() and t.device == buf.device for t in tensors)
+    d = descriptors(tensors, layout, buf)
+    if d.n_blocks == 0:
+        return
+    dtype = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
+    launch(kernel, (d.n_blocks, layout.num_chunks), d.table, d.block_map, buf, layout.total,
+           MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4, **{dtype_arg: dtype})

@@ -46,10 +46,22 @@ def descriptors(tensors: Sequence[torch.Tensor], layout: Layout, buf: torch.Tens
     buf_ok = buf.data_ptr() % 16 == 0 and (layout.num_chunks == 1 or layout.total * bes % 16 == 0)
     key = (buf.device, buf_ok, bes, layout.num_chunks, layout.numels, layout.segs,
            tuple([t.data_ptr() for t in tensors]), tuple([t.dtype for t in tensors]))
+    return _cached(key, lambda: _build(key, layout))
+
+
+def tensor_table(tensors: Sequence[torch.Tensor], device: torch.device) -> Descriptors:
+    """The quantize kernel's table: per NON-EMPTY tensor i a row [data_ptr, numel, flat offset, dtype tag],
+    rows in order (so flat offsets increase strictly); no block map (block_map is empty, n_blocks = rows)."""
+    key = ("flat", device, tuple([t.data_ptr() for t in tensors]), tuple([t.numel() for t in tensors]),
+           tuple([t.dtype for t in tensors]))
+    return _cached(key, lambda: _build_flat(tensors, device))
+
+
+def _cached(key: tuple, build) -> Descriptors:
     with _LOCK:  # autograd may run hooks (and so these copies) on its own threads
         hit = _CACHE.get(key)
         if hit is None:
-            hit = _CACHE[key] = _build(key, layout)
+            hit = _CACHE[key] = build()
             if len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
         else:
@@ -57,6 +69,17 @@ def descriptors(tensors: Sequence[torch.Tensor], layout: Layout, buf: torch.Tens
     if hit.table.is_cuda:  # the cached table may be read on another stream than it was made on
         hit.table.record_stream(torch.cuda.current_stream(hit.table.device))  # (table and map share it)
     return hit
+
+
+def _build_flat(tensors: Sequence[torch.Tensor], device: torch.device) -> Descriptors:
+    rows, off = [], 0
+    for t in tensors:
+        if t.numel():
+            rows += (t.data_ptr(), t.numel(), off, TAGS[t.dtype])
+            off += t.numel()
+    table = torch.tensor(rows, dtype=torch.int64).to(device).view(-1, 4)
+    kinds = {t.dtype for t in tensors if t.numel()}
+    return Descriptors(table, table.new_empty(0), table.shape[0], kinds.pop() if len(kinds) == 1 else None)
 
 
 def _build(key: tuple, layout: Layout) -> Descriptors:

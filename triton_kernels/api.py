@@ -12,8 +12,8 @@ from typing import Sequence
 import torch
 
 from . import _fallback
-from ._checks import (check_backend, check_buffer, check_num_chunks, check_tensors, make_layout, resolve_dtype,
-                      use_triton)
+from ._backend import check_backend, use_triton
+from ._checks import check_buffer, check_num_chunks, check_tensors, make_layout, resolve_dtype
 
 
 def flatten(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None, dtype: torch.dtype | None = None,

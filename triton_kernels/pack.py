@@ -13,19 +13,16 @@ Mixed dtypes: all tensors of one dtype compile a kernel for that dtype; otherwis
 branches per tensor on the dtype tag in its table row (uniform within a program, so no divergence).
 """
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import Layout
-from ._copy import copy_block
-from ._table import ALIGNED, BLOCK, NCOLS, descriptors
+from ._copy import copy_block, launch_table_kernel
+from ._table import ALIGNED, NCOLS
 
 _NCOLS = tl.constexpr(NCOLS)
 _ALIGNED = tl.constexpr(ALIGNED)
-TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -53,25 +50,6 @@ def pack_kernel(table, block_map, buf, total, SRC: tl.constexpr, MIXED: tl.const
             copy_block(addr, src_start, n_src, dst_addr, dst_start, n_dst, fast, tl.float16, DST, BLOCK)
     else:
         copy_block(addr, src_start, n_src, dst_addr, dst_start, n_dst, fast, SRC, DST, BLOCK)
-
-
-def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtype_arg: str) -> None:
-    """One launch of `kernel` over a (blocks, num_chunks) grid for `tensors` <-> `buf`.
-
-    Shared by pack and unpack; `dtype_arg` names the kernel's constexpr for the tensors' dtype
-    ("SRC" when packing them, "DST" when unpacking into them).
-    """
-    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
-    assert all(t.is_contiguous() and t.device == buf.device for t in tensors)
-    d = descriptors(tensors, layout, buf)
-    if d.n_blocks == 0:
-        return
-    dtype = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
-    with torch.cuda.device(buf.device) if buf.is_cuda else contextlib.nullcontext():
-        kernel[(d.n_blocks, layout.num_chunks)](
-            d.table, d.block_map, buf, layout.total, MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4,
-            **{dtype_arg: dtype},
-        )
 
 
 def launch_pack(tensors, layout: Layout, buf: torch.Tensor) -> None:

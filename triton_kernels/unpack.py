@@ -12,15 +12,13 @@ Mixed output dtypes: as in pack.py, one compiled dtype when the outputs agree, e
 branch on the dtype tag of its table row.
 """
 
-
 import torch
 import triton
 import triton.language as tl
 
 from ._checks import Layout
-from ._copy import copy_block
+from ._copy import copy_block, launch_table_kernel
 from ._table import ALIGNED, NCOLS
-from .pack import launch_table_kernel
 
 _NCOLS = tl.constexpr(NCOLS)
 _ALIGNED = tl.constexpr(ALIGNED)

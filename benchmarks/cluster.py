@@ -1,0 +1,295 @@
+"""Where MiCS is meant to win: two hosts over a slow link, every peer through Lightning's Trainer (issue 34).
+
+    sudo .venv/bin/python benchmarks/cluster.py --rates 100 400 0 --accum 1 4 --rounds 2 --steps 3
+    python benchmarks/cluster.py --report benchmarks/out/cluster/<run>     # the table and plot again, no run
+
+Two network namespaces joined by a veth act as two hosts of 2 ranks each (benchmarks/twohosts.py); every byte
+between the hosts crosses the veth, whose egress is shaped on both ends with ``tc tbf`` to each rate of
+``--rates`` in Mbit/s (0: the veth as it is). For each round, rate, accumulation and case (interleaved, so that a
+loaded machine slows every case alike), ``torchrun --nnodes 2 --nproc-per-node 2`` runs
+benchmarks/cluster_rank.py in both namespaces: ``--warmup`` optimizer steps, then ``--steps`` timed ones. The cases
+(``ddp``, ``fsdp2_full``, ``fsdp2_hsdp``, ``mics_host``, ``mics_twohop``) are described there.
+
+Per case, rate and accumulation, one JSON line on stdout (and in ``rows.jsonl``):
+  step_s          median over the timed steps of all rounds of the slowest rank's step (wall clock from the
+                  previous step's end to this one's)
+  link_bytes      bytes per step over the busier direction of the veth (``link_bytes_dirs``: host 0 -> 1, 1 -> 0),
+                  from the veth ends' counters, read from outside the processes at every step end while all ranks
+                  wait ([Note: step marks] in twohosts.py; median over steps)
+  floor_s         link_bytes / rate: the step time if the link were busy all the time and nothing else took any
+  ar_wait_s       time a rank is blocked on all-reduces whose group spans both hosts, per step (mean over ranks,
+                  median over steps); ``comm_wait_s`` the same over every cross-host collective ([Note: time waiting
+                  on communication] in cluster_rank.py)
+  counted         bytes and calls per collective and scope, per step, as issued (rank 0); ``telemetry`` the MiCS
+                  strategy's own ``comm_stats`` of the last step (rank 0)
+  probe_mbit      what one TCP stream gets through the shaped link; ``load1`` the 1-minute load average before
+                  the runs (lowest, highest)
+Writes ``runs.jsonl`` (one record per run, as it finishes), ``rows.jsonl``, ``table.md`` and ``cluster.png`` under
+``--out``. Needs root (or CAP_NET_ADMIN) for the namespaces; traffic goes only to the two hosts' loopback-range
+addresses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+from cluster_rank import CASES, parser as model_parser  # noqa: E402
+
+PEERS = ("ddp", "fsdp2_full", "fsdp2_hsdp")
+NOT_HERE = {
+    "Lightning FSDPStrategy (FSDP1)": "refuses a CPU accelerator before it starts (`The strategy fsdp requires a GPU "
+                                      "accelerator`); FSDP2, its successor, runs here through Lightning's "
+                                      "ModelParallelStrategy as fsdp2_full and fsdp2_hsdp",
+    "DeepSpeed (ZeRO-3, its MiCS)": "not installed here, and Lightning's DeepSpeedStrategy refuses anything but CUDA "
+                                    "(`The DeepSpeed strategy is only supported on CUDA GPUs`)",
+}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], parents=[model_parser()])
+    ap.add_argument("--rates", type=float, nargs="+", default=[100.0, 400.0, 0.0],
+                    help="link rates in Mbit/s; 0: unshaped")
+    ap.add_argument("--accum", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
+    ap.add_argument("--out", default=None, help="folder for the results (default benchmarks/out/cluster/<time>)")
+    ap.add_argument("--report", default=None, help="rebuild table and plot from this folder's runs.jsonl")
+    args = ap.parse_args(argv)
+    if args.warmup < 1:
+        ap.error(f"--warmup must be >= 1 (a timed step is measured from the previous step's end), got {args.warmup}")
+    if args.steps < 1 or args.rounds < 1 or min(args.accum) < 1 or min(args.rates) < 0:
+        ap.error("--steps, --rounds and --accum must be >= 1 and --rates >= 0")
+    return args
+
+
+def loadavg() -> List[float]:
+    return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+
+
+# -- one run ---------------------------------------------------------------------------------------------------
+def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Namespace, folder: Path, port: int,
+            ) -> Dict[str, Any]:
+    """One torchrun on both hosts; the record ``summarize`` reads (``error`` set if it failed)."""
+    from twohosts import StepMarks, per_step
+
+    folder.mkdir(parents=True)
+    sock = Path(tempfile.mkdtemp(prefix="clm")) / "s"  # a Unix socket path must stay under 108 characters
+    script = [str(BENCH / "cluster_rank.py"), "--case", case, "--accum", str(accum), "--out", str(folder),
+              "--marks", str(sock)]
+    for k in ("width", "layers", "heads", "vocab", "seq", "batch", "steps", "warmup"):
+        script += [f"--{k}", str(getattr(args, k))]
+    rec: Dict[str, Any] = dict(case=case, rate_mbit=rate, accum=accum, warmup=args.warmup, load=loadavg())
+    t0 = time.time()
+    with StepMarks(hosts, sock) as marks:
+        procs = hosts.torchrun(script, port, folder)
+        try:
+            codes = [p.wait(timeout=args.timeout) for p in procs]
+        except Exception:
+            codes = ["timeout"]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    sock.parent.rmdir()
+    rec["wall_s"] = time.time() - t0
+    last = args.warmup + args.steps
+    if codes != [0, 0] or sorted(marks.marks) != list(range(1, last + 1)):
+        rec["error"] = f"exit {codes}, counters read at steps {sorted(marks.marks)}; logs in {folder}"
+        return rec
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
+    rec["n_params"] = ranks[0]["n_params"]
+    rec["ranks"] = [dict(ends=r["ends"], resumes=r["resumes"], comm=r["comm"]) for r in ranks]
+    rec["telemetry"] = ranks[0]["telemetry"][-1]
+    rec["link_steps"] = per_step(marks.marks, args.warmup + 1, last)
+    return rec
+
+
+# -- summary, ratios, table, plot ------------------------------------------------------------------------------
+def _cross_wait(comm: Dict[str, Any], prefix: str) -> float:
+    wait = sum(v["wait_s"] for k, v in comm.items() if k.startswith(prefix) and k.endswith("/cross"))
+    return wait + comm.get("ddp_exposed_s", 0.0)
+
+
+def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """One row per (case, rate, accum) from the runs' records (failed runs left out), with ratios."""
+    groups: Dict[tuple, List[Dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        if "error" not in rec:
+            groups[(rec["case"], rec["rate_mbit"], rec["accum"])].append(rec)
+    rows = []
+    for (case, rate, accum), recs in groups.items():
+        steps, per_round, ar, cw, link, counted = [], [], [], [], [], defaultdict(list)
+        for rec in recs:
+            w = rec["warmup"]
+            durs = [[e - b for b, e in zip(r["resumes"][w - 1:], r["ends"][w:])] for r in rec["ranks"]]
+            slowest = [max(d) for d in zip(*durs)]
+            steps += slowest
+            per_round.append(statistics.median(slowest))
+            comms = [r["comm"][w:] for r in rec["ranks"]]  # comm[j]: the window ending at step j + 1
+            for k in range(len(slowest)):
+                ar.append(statistics.mean(_cross_wait(c[k], "all_reduce/") for c in comms))
+                cw.append(statistics.mean(_cross_wait(c[k], "") for c in comms))
+                for key, v in comms[0][k].items():
+                    if key != "ddp_exposed_s":
+                        counted[key].append((v["bytes"], v["calls"]))
+            link += rec["link_steps"]
+        dirs = [statistics.median(d[i] for d in link) for i in (0, 1)]
+        row = dict(case=case, rate_mbit=rate, accum=accum, step_s=statistics.median(steps), link_bytes=max(dirs),
+                   link_bytes_dirs=dirs, floor_s=max(dirs) * 8 / (rate * 1e6) if rate else None,
+                   ar_wait_s=statistics.median(ar), comm_wait_s=statistics.median(cw),
+                   counted={k: dict(bytes=statistics.median(b for b, _ in v), calls=statistics.median(c for _, c in v))
+                            for k, v in sorted(counted.items())},
+                   telemetry={k: v for k, v in recs[-1]["telemetry"].items() if k.startswith(("comm/", "time/"))},
+                   steps=len(steps), rounds=len(recs), step_s_rounds=per_round, n_params=recs[0]["n_params"],
+                   probe_mbit=statistics.median(r.get("probe_mbit", 0.0) for r in recs),
+                   load1=[min(r["load"][0] for r in recs), max(r["load"][0] for r in recs)])
+        row["step_over_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
+        rows.append(row)
+    add_ratios(rows)
+    order = {c: i for i, c in enumerate(CASES)}
+    return sorted(rows, key=lambda r: (r["rate_mbit"] == 0, r["rate_mbit"], r["accum"], order[r["case"]]))
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    """``vs_best_peer``: step time / the fastest peer's (DDP, FSDP2 full, FSDP2 HSDP) at the same rate and
+    accumulation (the peer itself included); ``vs_fsdp2_full`` and ``bytes_vs_hsdp`` likewise."""
+    at: Dict[tuple, Dict[str, Dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        at[(r["rate_mbit"], r["accum"])][r["case"]] = r
+    for r in rows:
+        same = at[(r["rate_mbit"], r["accum"])]
+        peers = [same[c] for c in PEERS if c in same]
+        best = min(peers, key=lambda p: p["step_s"]) if peers else None
+        r["best_peer"] = best["case"] if best else None
+        r["vs_best_peer"] = r["step_s"] / best["step_s"] if best else None
+        r["vs_fsdp2_full"] = r["step_s"] / same["fsdp2_full"]["step_s"] if "fsdp2_full" in same else None
+        hsdp = same.get("fsdp2_hsdp")
+        r["bytes_vs_hsdp"] = r["link_bytes"] / hsdp["link_bytes"] if hsdp and hsdp["link_bytes"] else None
+
+
+def _f(x: Optional[float], fmt: str) -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def table(rows: Sequence[Dict[str, Any]]) -> str:
+    head = ("| link | accum | case | step s | per round | / best peer | / fsdp2_full | link MB/step | / HSDP bytes "
+            "| floor s | step / floor | AR wait s | comm wait s | load 1-min |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in rows:
+        link = f"{r['rate_mbit']:g} Mbit/s" if r["rate_mbit"] else "unshaped"
+        rounds = " / ".join(f"{x:.2f}" for x in r["step_s_rounds"])
+        lines.append(f"| {link} | {r['accum']} | {r['case']} | {r['step_s']:.2f} | {rounds} | "
+                     f"{_f(r['vs_best_peer'], '.2f')} | {_f(r['vs_fsdp2_full'], '.2f')} | "
+                     f"{r['link_bytes'] / 1e6:.1f} | "
+                     f"{_f(r['bytes_vs_hsdp'], '.2f')} | {_f(r['floor_s'], '.2f')} | "
+                     f"{_f(r['step_over_floor'], '.2f')} | {r['ar_wait_s']:.2f} | {r['comm_wait_s']:.2f} | "
+                     f"{r['load1'][0]:.1f}-{r['load1'][1]:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = sorted({r["rate_mbit"] for r in rows}, key=lambda x: (x == 0, x))
+    accums = sorted({r["accum"] for r in rows})
+    fig, axes = plt.subplots(1, len(accums), figsize=(5.5 * len(accums), 4), squeeze=False)
+    for ax, accum in zip(axes[0], accums):
+        for case in CASES:
+            pts = [(rates.index(r["rate_mbit"]), r["step_s"]) for r in rows
+                   if r["case"] == case and r["accum"] == accum]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker="o", label=case)
+        floor = [(rates.index(r["rate_mbit"]), r["floor_s"]) for r in rows
+                 if r["case"] == "mics_host" and r["accum"] == accum and r["floor_s"]]
+        if floor:
+            ax.plot(*zip(*sorted(floor)), ls=":", color="k", label="mics_host link floor")
+        ax.set_xticks(range(len(rates)), [f"{x:g}" if x else "unshaped" for x in rates])
+        ax.set_yscale("log")
+        ax.set_xlabel("link rate, Mbit/s each way")
+        ax.set_ylabel("step time, s (slowest rank, median)")
+        ax.set_title(f"accumulation {accum}")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(folder: Path, command: str) -> List[Dict[str, Any]]:
+    records = [json.loads(line) for line in (folder / "runs.jsonl").read_text().splitlines() if line.strip()]
+    if (folder / "command.txt").exists():  # the command that ran, not the one that asks for the report again
+        command = (folder / "command.txt").read_text().strip()
+    rows = summarize(records)
+    with open(folder / "rows.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    failed = [f"{r['case']} at {r['rate_mbit']:g} Mbit/s, accumulation {r['accum']}: {r['error']}"
+              for r in records if "error" in r]
+    loads = [r["load"][0] for r in records]
+    n = rows[0]["n_params"] if rows else 0
+    text = [f"Command: `{command}`", "",
+            f"GPT {n / 1e6:.1f}M parameters, AdamW, fp32, 4 ranks on 2 hosts; {len(records)} runs, 1-minute load "
+            f"average {min(loads):.1f} to {max(loads):.1f}. Best peer: the fastest of {', '.join(PEERS)}.", "",
+            table(rows), "", "Peers that cannot run here:"]
+    text += [f"- {k}: {v}" for k, v in NOT_HERE.items()]
+    text += ["", "Failed runs:"] + [f"- {x}" for x in failed] if failed else []
+    (folder / "table.md").write_text("\n".join(text) + "\n")
+    if rows:
+        plot(rows, folder / "cluster.png")
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = parse_args(argv)
+    command = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else "main(" + repr(argv) + ")"
+    if args.report:
+        for row in report(Path(args.report), command):
+            print(json.dumps(row), flush=True)
+        print((Path(args.report) / "table.md").read_text())
+        return
+    from twohosts import TwoHosts, probe
+
+    out = Path(args.out or BENCH / "out" / "cluster" / time.strftime("%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "command.txt").write_text(command + "\n")
+    port = 29600 + os.getpid() % 200
+    with TwoHosts(f"cl{os.getpid() % 10000}") as hosts, open(out / "runs.jsonl", "a") as runs:
+        (out / "namespaces.txt").write_text(" ".join(hosts.names) + "\n")
+        for rnd in range(args.rounds):
+            for rate in args.rates:
+                hosts.shape(rate)
+                mbit = probe(hosts, int((rate or 1600) * 1e6 / 8))  # about 1 s of the link
+                for accum in args.accum:
+                    for case in args.cases:
+                        port += 1
+                        folder = out / f"r{rnd}-{rate:g}-a{accum}-{case}"
+                        rec = run_one(hosts, case, rate, accum, args, folder, port)
+                        rec.update(round=rnd, probe_mbit=mbit)
+                        runs.write(json.dumps(rec) + "\n")
+                        runs.flush()
+                        step = "failed: " + rec["error"] if "error" in rec else f"{rec['wall_s']:.0f} s wall"
+                        print(f"# round {rnd} {rate:g} Mbit/s (TCP {mbit:.0f}) accum {accum} {case}: {step}, "
+                              f"load {rec['load'][0]:.1f}", file=sys.stderr, flush=True)
+    for row in report(out, command):
+        print(json.dumps(row), flush=True)
+    print((out / "table.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

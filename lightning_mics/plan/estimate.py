@@ -1,0 +1,303 @@
+"""The planner's arithmetic: bytes per GPU and communication per optimizer step for one layout.
+
+[Note: planner arithmetic]
+Model state per GPU follows the engine's layout rules, imported rather than restated where they are code:
+``sharding.stays_replicated`` (small parameters whole on every rank), ``placement.Rows`` (each sharded parameter
+cut on dim 0 into ceil(d0/s)-row chunks, zero-padded), ``collectives.bucket_runs`` (gradient buckets), and
+``precision.default_dtypes`` (gathered and reduction dtypes per precision). Per shard rank j:
+  params     the unit's padded flat shard (masters, the parameters' dtype) + replicated parameters whole;
+  grads      per unit with a trainable parameter, its padded accumulator (the reduction dtype; the gradients are
+             views of it when the dtypes agree, else unpadded copies), + the replicated parameters' all-reduce
+             buckets (fp32, with one flag per parameter);
+  optimizer  k tensors of each trainable parameter's unpadded local rows (AdamW k=2, SGD+momentum 1, SGD 0).
+Communication per optimizer step, in the telemetry's units (``comm/<op>/<group>/bytes``: the all-gather's output,
+the reduce-scatter's input, the all-reduce's buffer), for A micro-batches and U non-root units: the root is
+gathered once per step (kept for backward and across the accumulation window), each other unit twice per
+micro-batch, except the last one of the forward (kept for backward); one reduce-scatter per unit bucket per
+micro-batch; at the boundary one replica all-reduce per unit bucket and the replicated parameters' world
+all-reduce. The gathered peak (elements) is the root plus min(U, 1 + prefetch) of the largest units, at most
+``max_live_parameters`` plus the running unit ([Note: live cap] in schedule.py).
+With ``shard_optimizer_state`` (s = 1): one root unit holds every parameter with its placement over all W
+data-parallel ranks, so params, grads and optimizer state are those of s = W for that unit, plus its full
+parameters (gathered dtype) kept on every rank; per step one reduce-scatter per bucket and one all-gather over the
+W ranks at the boundary, whatever the accumulation, and the world all-reduce.
+Links: a shard group inside a node uses the intra-node link; one across nodes the inter-node link (two hops:
+the first hop across nodes, the second inside); replica and world all-reduces cross nodes when there are
+several. Time is a ring model without overlap: (k-1)/k of the buffer per rank for all-gather and
+reduce-scatter over k ranks, 2(k-1)/k for all-reduce, at the intra-node bandwidth per GPU or the node's
+inter-node bandwidth shared by its GPUs.
+Activations (transformer dims known) per GPU, Korthikanti et al. 2022 without sequence parallelism, scaled to
+the activation dtype: per layer L b (10 h + (8 h + 4 f) / t) (plus 5 a L^2 b / t without flash attention);
+checkpointing keeps each layer's input (L b h, two when offloaded) plus one layer being recomputed; the logits
+add L b V / t (activation bytes + 8 for the fp32 loss and its gradient).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from lightning_mics.collectives import bucket_runs
+from lightning_mics.placement import Rows
+from lightning_mics.plan.models import ModelSpec, ParamShape, UnitShapes
+from lightning_mics.plan.settings import GiB, OPTIMIZER_STATES, Settings, _fail
+from lightning_mics.replicated import DDP_BUCKET_BYTES
+from lightning_mics.sharding import stays_replicated
+from lightning_mics.topology import plan_layout
+
+LINKS = ("intra-node", "inter-node", "replica")
+
+
+@dataclass
+class Estimate:
+    """One layout (s, t): bytes per GPU, communication per optimizer step, whether it fits."""
+
+    s: int
+    t: int
+    r: int
+    model_state: Dict[str, int]  # params, grads, optimizer, total (shard rank 0: the largest)
+    activations: Optional[int]
+    gathered_elements: int  # peak of gathered parameter elements (telemetry's mem/gathered_elements_peak)
+    gathered: int  # bytes of those
+    buffers: int  # transient: the largest unit's all-gather output and reduce-scatter input (if not in place)
+    comm: Dict[str, Dict[str, int]]  # "<op>/<group>" -> {"bytes", "calls"} per optimizer step (telemetry's keys)
+    link_bytes: Dict[str, int]  # intra-node / inter-node / replica
+    comm_seconds: float
+    budget: int
+
+    @property
+    def total(self) -> int:
+        return self.model_state["total"] + (self.activations or 0) + self.gathered + self.buffers
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.budget
+
+
+@dataclass
+class _Unit:
+    sharded: List[ParamShape]
+    replicated: List[ParamShape]
+    padded: List[int]  # padded elements per sharded parameter (one rank's chunk)
+    local: List[int]  # unpadded elements on shard rank j
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(self.padded)
+
+    @property
+    def full_numel(self) -> int:
+        return sum(math.prod(p.shape) for p in self.sharded)
+
+
+def _layout_units(units: List[UnitShapes], st: Settings, s: int) -> Tuple[List[UnitShapes], int]:
+    """The units and shard-group size the engine uses for degree s: with shard_optimizer_state (s = 1), one root
+    unit holding every parameter, its placement over all W data-parallel ranks."""
+    if not st.shard_optimizer_state:
+        return units, s
+    if s != 1:
+        _fail("sharded_data_parallel_degree", s, "1 with shard_optimizer_state=True")
+    return [UnitShapes("", [p for u in units for p in u.params])], st.dp_world
+
+
+def _split(units: List[UnitShapes], st: Settings, s: int, rank: int) -> List[_Unit]:
+    units, s = _layout_units(units, st, s)
+    t = st.tensor_parallel_degree
+    out = []
+    for u in units:
+        sharded, replicated, padded, local = [], [], [], []
+        for p in u.params:
+            shape = p.shape
+            replicate = stays_replicated(shape, st.param_persistence_threshold, s)  # the global shape, as the engine
+            if p.tp and t > 1 and shape:
+                d = p.tp_dim
+                shape = shape[:d] + (math.ceil(shape[d] / t),) + tuple(shape[d + 1:])
+            p = ParamShape(shape, p.trainable)
+            if replicate:
+                replicated.append(p)
+                continue
+            rows = Rows(shape[0], math.prod(shape[1:]), s, rank)
+            sharded.append(p)
+            padded.append(rows.padded_numel)
+            local.append(rows.local_rows * rows.rest)
+        out.append(_Unit(sharded, replicated, padded, local))
+    return out
+
+
+def _world_buckets(units: List[_Unit], st: Settings) -> List[int]:
+    """Elements of each replicated all-reduce bucket, flags included ([Note: replicated gradients])."""
+    trainable = [math.prod(p.shape) for u in units for p in u.replicated if p.trainable][::-1]
+    cap = max(1, min(st.reduce_bucket_size, DDP_BUCKET_BYTES // 4))
+    runs = bucket_runs(trainable, cap) or [[]]
+    sizes = [sum(trainable[i] for i in run) + len(run) for run in runs]
+    sizes[-1] += sum(1 for u in units for p in u.sharded if p.trainable)  # the sharded parameters' flags
+    return sizes
+
+
+def _unit_buckets(u: _Unit, st: Settings) -> List[int]:
+    """Padded shard elements of each of a unit's gradient buckets (its trainable parameters)."""
+    slots = [i for i, p in enumerate(u.sharded) if p.trainable]
+    runs = bucket_runs([math.prod(u.sharded[i].shape) for i in slots], st.reduce_bucket_size)
+    return [sum(u.padded[slots[k]] for k in run) for run in runs] if slots else []
+
+
+def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0) -> Dict[str, int]:
+    """What ``MiCSStrategy.model_state_bytes()`` reports on shard rank ``rank`` after a step."""
+    master, _, reduce = st.dtypes()
+    k = OPTIMIZER_STATES[st.optimizer]
+    units = _split(spec.units, st, s, rank)
+    params = grads = opt = 0
+    for u in units:
+        params += u.shard_numel * master + sum(math.prod(p.shape) for p in u.replicated) * master
+        trainable = [i for i, p in enumerate(u.sharded) if p.trainable]
+        if trainable:
+            grads += u.shard_numel * reduce if reduce == master else sum(u.local[i] for i in trainable) * master
+        opt += k * master * (sum(u.local[i] for i in trainable)
+                             + sum(math.prod(p.shape) for p in u.replicated if p.trainable))
+    if any(p.trainable for u in units for p in u.replicated):
+        buckets = _world_buckets(units, st)
+        grads += sum(buckets) * 4 if master == 4 else \
+            sum(math.prod(p.shape) for u in units for p in u.replicated if p.trainable) * master
+    if st.shard_optimizer_state:  # the pinned root: its full parameters (gathered dtype) stay on every rank
+        params += units[0].full_numel * st.dtypes()[1]
+    return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, int]]:
+    """Bytes and calls per collective and group per optimizer step, as the telemetry records them."""
+    _, gathered, reduce = st.dtypes()
+    units = _split(spec.units, st, s, 0)
+    s = _layout_units(spec.units, st, s)[1]
+    layout = plan_layout(st.dp_world, s, st.dp_per_node if st.dp_world > st.dp_per_node else None)
+    two_hop = st.hierarchical_allgather and layout.hierarchical_possible
+    A, r, W = st.accumulation, layout.replicas, st.dp_world
+    out: Dict[str, Dict[str, int]] = {}
+
+    def add(key: str, nbytes: int, calls: int = 1) -> None:
+        if calls:
+            entry = out.setdefault(key, {"bytes": 0, "calls": 0})
+            entry["bytes"] += nbytes * calls
+            entry["calls"] += calls
+
+    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding] in runtime.py
+        root = units[0]
+        if root.sharded and W > 1:
+            for b in _unit_buckets(root, st):
+                add("reduce_scatter/shard", W * b * reduce)  # once, at the boundary
+            add("all_gather/shard", W * root.shard_numel * gathered)  # the post-step refresh
+        if W > 1:
+            for b in _world_buckets(units, st):
+                add("all_reduce/world", b * 4)
+        return out
+
+    root, others = units[0], [u for u in units[1:] if u.sharded]
+    keep = root.full_numel + 2 * max((u.full_numel for u in others), default=0) <= st.max_live_parameters
+    for i, u in enumerate([root] + others):
+        if not u.sharded:
+            continue
+        if i == 0:
+            n_gathers = 1 if keep else 2 * A
+        else:
+            n_gathers = A if (keep and u is others[-1]) else 2 * A
+        if two_hop:
+            n = s // layout.ranks_per_node
+            add("all_gather/inter", n * u.shard_numel * gathered, n_gathers)
+            add("all_gather/intra", s * u.shard_numel * gathered, n_gathers)
+        else:
+            add("all_gather/shard", s * u.shard_numel * gathered, n_gathers)
+        for b in _unit_buckets(u, st):
+            add("reduce_scatter/shard", s * b * reduce, A)
+            if r > 1:
+                add("all_reduce/replicate", b * reduce)
+    if W > 1:
+        for b in _world_buckets(units, st):
+            add("all_reduce/world", b * 4)
+    return out
+
+
+def _gathered_peak(units: List[_Unit], st: Settings) -> int:
+    root, sizes = units[0].full_numel, sorted((u.full_numel for u in units[1:] if u.sharded), reverse=True)
+    ahead = sum(sizes[:1 + st.prefetch])
+    largest = max([root] + sizes)
+    return min(root + ahead, st.max_live_parameters + largest)
+
+
+def _link_of(key: str, st: Settings, s: int) -> str:
+    op, group = key.split("/")
+    if group in ("replicate", "world"):
+        return "replica"
+    if group == "inter":
+        return "inter-node"
+    if group == "intra":
+        return "intra-node"
+    return "intra-node" if s <= st.dp_per_node else "inter-node"
+
+
+def _seconds(comm: Dict[str, Dict[str, int]], st: Settings, s: int) -> float:
+    layout = plan_layout(st.dp_world, s, st.dp_per_node if st.dp_world > st.dp_per_node else None)
+    inter_per_gpu = st.inter_node_gbps * 1e9 / st.gpus_per_node
+    total = 0.0
+    for key, e in comm.items():
+        op, group = key.split("/")
+        k = {"shard": s, "inter": s // max(layout.ranks_per_node, 1), "intra": layout.ranks_per_node,
+             "replicate": layout.replicas, "world": st.dp_world}[group]
+        factor = (2 if op == "all_reduce" else 1) * (k - 1) / k
+        cross = _link_of(key, st, s) == "inter-node" or (group in ("replicate", "world") and st.nodes > 1)
+        total += factor * e["bytes"] / (inter_per_gpu if cross else st.intra_node_gbps * 1e9)
+    return total
+
+
+def activation_bytes(spec: ModelSpec, st: Settings) -> Optional[int]:
+    d = spec.dims
+    if d is None:
+        return None
+    e = 4 if st.precision == "32-true" else 2
+    L, b, h, t = st.seq_len, st.micro_batch, d.hidden, st.tensor_parallel_degree
+    f = d.ffn * (1.5 if d.gated else 1)  # a SwiGLU MLP keeps two f-wide outputs and their product
+    layer = L * b * (10 * h + (8 * h + 4 * f) / t) * e / 2
+    if not st.flash_attention:
+        layer += 5 * d.n_head * L * L * b / t * e / 2
+    if st.activation_checkpointing:
+        kept = (2 if st.activation_offload else d.n_layer) * L * b * h * e
+        body = kept + layer
+    else:
+        body = d.n_layer * layer
+    logits = L * b * d.vocab / t * (e + 8)
+    return int(body + logits)
+
+
+def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
+    _, gathered, reduce = st.dtypes()
+    units = _split(spec.units, st, s, 0)
+    state = model_state_bytes(spec, st, s)
+    comm = comm_per_step(spec, st, s)
+    peak = _gathered_peak(units, st)
+    largest = max(units, key=lambda u: u.shard_numel)
+    group = _layout_units(spec.units, st, s)[1]  # the shard group's size (all W ranks with shard_optimizer_state)
+    # the reduce-scatter input lies in the unit's own storage when it fits and the unit is released after it
+    # ([Note: staging in place] in runtime.py); the root inside an accumulation window, or pinned, stages apart
+    in_place = reduce <= gathered and not (largest is units[0] and (st.accumulation > 1 or st.shard_optimizer_state))
+    buffers = group * largest.shard_numel * (gathered + (0 if in_place else reduce)) if group > 1 else 0
+    links = {k: 0 for k in LINKS}
+    for key, e in comm.items():
+        links[_link_of(key, st, group)] += e["bytes"]
+    budget = int(st.gpu_memory_gib * GiB * (1 - st.headroom))
+    held = 0 if st.shard_optimizer_state else peak * gathered  # pinned parameters are model state already
+    return Estimate(s, st.tensor_parallel_degree, st.dp_world // s, state, activation_bytes(spec, st), peak,
+                    held, buffers, comm, links, _seconds(comm, st, group), budget)
+
+
+def degrees_to_plan(st: Settings, degrees: Optional[Sequence[int]] = None) -> List[int]:
+    """The sharding degrees to estimate: every divisor of the data-parallel world (only 1 with
+    ``shard_optimizer_state``, whose layout is fixed), or those of ``degrees``, which must be among them."""
+    valid = [d for d in range(1, st.dp_world + 1) if st.dp_world % d == 0]
+    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding]: the layout is fixed
+        valid = [1]
+    if degrees is not None:
+        bad = [d for d in degrees if d not in valid]
+        if bad:
+            _fail("degrees", list(degrees), f"divisors of the data-parallel world size {st.dp_world}: {valid}"
+                  if not st.shard_optimizer_state else "[1] with shard_optimizer_state=True")
+        valid = sorted(degrees)
+    return valid

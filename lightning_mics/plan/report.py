@@ -1,0 +1,163 @@
+"""The planner's result, :class:`Plan`, and its presentation: the explanation, the table and the chart.
+
+:func:`plan` estimates every valid sharding degree (:mod:`lightning_mics.plan.estimate`) and recommends the
+smallest that fits with headroom.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple
+
+from lightning_mics.plan.estimate import LINKS, Estimate, degrees_to_plan, estimate
+from lightning_mics.plan.models import ModelSpec, resolve
+from lightning_mics.plan.settings import GiB, Settings, _fail
+
+
+@dataclass
+class Plan:
+    """Every estimated degree of one model and settings, the recommended one (the smallest s that fits), notes."""
+
+    model: ModelSpec
+    settings: Settings
+    estimates: List[Estimate]
+    recommended: Optional[Estimate]
+    notes: List[str] = field(default_factory=list)
+
+    def estimate(self, s: int) -> Estimate:
+        for e in self.estimates:
+            if e.s == s:
+                return e
+        _fail("s", s, f"one of {[e.s for e in self.estimates]}")
+        raise AssertionError
+
+    def unit(self) -> Tuple[str, int]:
+        """The size unit that suits this plan's figures: GiB, MiB or KiB."""
+        top = max(e.total for e in self.estimates)
+        return next((u for u in (("GiB", GiB), ("MiB", 2 ** 20)) if top >= u[1]), ("KiB", 2 ** 10))
+
+    def table(self) -> str:
+        name, div = self.unit()
+        comm_name, comm_div = ("GB", 1e9) if name == "GiB" else ("MB", 1e6)
+        head = (f"| s | t | r | model state {name} | activations {name} | gathered {name} | buffers {name} | "
+                f"total {name} | intra-node {comm_name}/step | inter-node {comm_name}/step | "
+                f"replica {comm_name}/step | comm s/step | fits |")
+        lines = [head, "|" + "---|" * (head.count("|") - 1)]
+        for e in self.estimates:
+            act = f"{e.activations / div:.2f}" if e.activations is not None else "n/a"
+            mark = "yes" if e.fits else "no"
+            if e is self.recommended:
+                mark = "**yes: recommended**"
+            lines.append(f"| {e.s} | {e.t} | {e.r} | {e.model_state['total'] / div:.2f} | {act} | "
+                         f"{e.gathered / div:.2f} | {e.buffers / div:.2f} | {e.total / div:.2f} | "
+                         + " | ".join(f"{e.link_bytes[k] / comm_div:.3f}" for k in LINKS)
+                         + f" | {e.comm_seconds:.3g} | {mark} |")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        st, m = self.settings, self.model
+        name, div = self.unit()
+        size = lambda n: f"{n / div:.3g} {name}"  # noqa: E731
+        parts = lambda e: (f"model state {size(e.model_state['total'])} + " + (  # noqa: E731
+            f"activations {size(e.activations)}" if e.activations is not None else "activations not estimated")
+            + f" + gathered parameters and buffers {size(e.gathered + e.buffers)}")
+        budget = self.estimates[0].budget
+        count = f"{m.n_params / 1e9:.3g}B" if m.n_params >= 1e9 else f"{m.n_params / 1e6:.3g}M"
+        out = [f"{m.name}: {count} parameters ({m.source}); {st.nodes} node(s) x {st.gpus_per_node} "
+               f"GPUs of {st.gpu_memory_gib:g} GiB, t={st.tensor_parallel_degree}, {st.precision}, {st.optimizer}, "
+               f"sequence {st.seq_len}, micro-batch {st.micro_batch}, accumulation {st.accumulation}, "
+               f"activation checkpointing {'on' if st.activation_checkpointing else 'off'}"
+               f"{' with offload' if st.activation_offload else ''}; budget {budget / GiB:.3g} GiB per GPU "
+               f"({st.headroom:.0%} headroom)."]
+        rec = self.recommended
+        if rec is None:
+            best = min(self.estimates, key=lambda e: e.total)
+            out.append(f"No s fits: the least memory is s={best.s} with {size(best.total)} per GPU "
+                       f"({parts(best)}). Use more GPUs, tensor parallelism, activation checkpointing (and offload) "
+                       "or a smaller micro-batch.")
+        else:
+            out.append(f"Recommended s={rec.s} (r={rec.r} replicas): {size(rec.total)} per GPU ({parts(rec)}), "
+                       f"{size(budget - rec.total)} under the budget.")
+            smaller = [e for e in self.estimates if e.s < rec.s]
+            if smaller:
+                e = smaller[-1]
+                out.append(f"s={e.s} does not fit: {size(e.total)} ({parts(e)}).")
+            lb = rec.link_bytes
+            traffic = (f"Per optimizer step and GPU: {lb['intra-node'] / 1e9:.3g} GB intra-node, "
+                       f"{lb['inter-node'] / 1e9:.3g} GB inter-node, {lb['replica'] / 1e9:.3g} GB across replicas; "
+                       f"{rec.comm_seconds:.3g} s predicted without overlap.")
+            if rec.s == 1:
+                out.append("At s=1 every GPU holds the whole model state (plain data parallelism): no per-layer "
+                           "collectives, one gradient all-reduce per optimizer step. " + traffic)
+            else:
+                if rec.s <= st.dp_per_node:
+                    where = "inside one node, on the intra-node links"
+                else:
+                    hops = " (two hops: the first across nodes, the second inside)" \
+                        if st.hierarchical_allgather else ""
+                    where = f"across {math.ceil(rec.s / st.dp_per_node)} nodes{hops}"
+                out.append(f"A larger s shards further but puts more ranks into every per-layer all-gather and "
+                           f"reduce-scatter and leaves fewer replicas. At s={rec.s} those stay {where}; replicas "
+                           f"meet once per optimizer step (the all-reduce at the accumulation boundary). " + traffic)
+        out += self.notes + m.notes
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.explain() + "\n\n" + self.table()
+
+    def plot(self, path: str) -> None:
+        """A PNG: memory per GPU against s, stacked by kind, with the GPU's memory and the budget."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        es = self.estimates
+        xs = list(range(len(es)))
+        parts = [("model state", [e.model_state["total"] for e in es]),
+                 ("activations", [e.activations or 0 for e in es]),
+                 ("gathered params + buffers", [e.gathered + e.buffers for e in es])]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        bottom = [0.0] * len(es)
+        for label, vals in parts:
+            ax.bar(xs, [v / GiB for v in vals], bottom=bottom, label=label)
+            bottom = [b + v / GiB for b, v in zip(bottom, vals)]
+        ax.axhline(self.settings.gpu_memory_gib, color="k", lw=1, label="GPU memory")
+        ax.axhline(es[0].budget / GiB, color="r", lw=1, ls="--", label="budget (headroom)")
+        ax.set_xticks(xs, [f"s={e.s}" + (" *" if e is self.recommended else "") for e in es])
+        ax.set_ylabel("GiB per GPU")
+        mem = self.settings.gpu_memory_gib
+        top = max(1.5 * mem, min(max(bottom), 3 * mem)) * 1.05  # bars far above the GPU are cut, labelled
+        ax.set_ylim(0, top)
+        for x, total in zip(xs, bottom):
+            ax.text(x, min(total, top * 0.93), f"{total:.3g}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(f"{self.model.name}: memory per GPU vs sharding degree (* recommended)", fontsize=9)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+
+def _tensor_parallel_notes(spec: ModelSpec, st: Settings) -> List[str]:
+    if st.tensor_parallel_degree == 1:
+        return []
+    if not any(p.tp for u in spec.units for p in u.params):
+        return [f"t={st.tensor_parallel_degree}, but no parameter of this model is marked tensor-parallel: "
+                "plan a module after parallelizing it (its DTensor parameters) or a transformer layout."]
+    return [f"t={st.tensor_parallel_degree}: the tensor-parallel parts are those of "
+            + ("the module's own plan." if spec.source.startswith("nn.Module") else
+               "a Megatron-style plan (attention and MLP column- then row-parallel, embeddings and head "
+               "split on the vocabulary, norms whole).")]
+
+
+def plan(model: Any, *, instance: Optional[str] = None, degrees: Optional[Sequence[int]] = None,
+         shard_units: Optional[List[Any]] = None, **settings: Any) -> Plan:
+    """Plans every valid sharding degree s (divisors of the data-parallel world) and recommends the smallest that
+    fits with headroom. ``model``: see :mod:`lightning_mics.plan.models`; ``instance``: a key of
+    :data:`INSTANCES` (sets GPUs per node, memory and bandwidths unless given); other keywords: :class:`Settings`."""
+    st = Settings.of(instance, **settings)
+    spec = resolve(model, shard_units)
+    estimates = [estimate(spec, st, s) for s in degrees_to_plan(st, degrees)]
+    recommended = next((e for e in estimates if e.fits), None)
+    return Plan(spec, st, estimates, recommended, _tensor_parallel_notes(spec, st))

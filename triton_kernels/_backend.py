@@ -1,0 +1,63 @@
+"""Backend choice: "auto" | "triton" | "torch", and whether the Triton kernels run interpreted.
+
+Nothing here imports a kernel module, and triton itself is imported only to read its
+interpreter switch, when a Triton backend is actually considered.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+_TRITON_FOUND: bool | None = None
+_INTERPRETED: bool | None = None
+
+
+def check_backend(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; allowed values: {', '.join(map(repr, BACKENDS))}")
+    return backend  # type: ignore[return-value]
+
+
+def triton_available() -> bool:
+    """Whether the optional `triton` package is installed (checked without importing it)."""
+    global _TRITON_FOUND
+    if _TRITON_FOUND is None:
+        try:
+            _TRITON_FOUND = importlib.util.find_spec("triton") is not None
+        except (ImportError, ValueError):
+            _TRITON_FOUND = False
+    return _TRITON_FOUND
+
+
+def kernels_interpreted() -> bool:
+    """Whether our kernels run in the Triton interpreter: TRITON_INTERPRET as Triton reads it, fixed at
+    the first call (the kernel modules are imported right after it, and `triton.jit` reads the same
+    switch when they are; the launcher in _copy.py checks that the two agree)."""
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        from triton import knobs
+
+        _INTERPRETED = bool(knobs.runtime.interpret)
+    return _INTERPRETED
+
+
+def use_triton(backend: str, device: torch.device | None) -> bool:
+    """"auto": Triton for CUDA tensors (compiled, not interpreted), torch elsewhere; "triton" forces it."""
+    if backend == "torch" or device is None:
+        return False
+    if backend == "auto":
+        return device.type == "cuda" and triton_available() and not kernels_interpreted()
+    if not triton_available():
+        raise RuntimeError("backend='triton' needs the optional `triton` package (pip install triton)")
+    interpreted = kernels_interpreted()
+    if device.type == "cpu" and not interpreted:
+        raise RuntimeError("backend='triton' on CPU tensors runs only under TRITON_INTERPRET=1, set before "
+                           "the first Triton call; use backend='torch' or 'auto' on CPU")
+    if device.type != "cpu" and interpreted:
+        raise RuntimeError(f"backend='triton' under TRITON_INTERPRET=1 works on CPU tensors only, got {device}: "
+                           "the interpreter cannot follow the device pointers in the descriptor table")
+    return True
