@@ -18,6 +18,7 @@ _NAMES = {
     "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter",
     "allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce",
+    "alltoall_base_": "all_to_all", "alltoall_": "all_to_all",
     "broadcast_": "broadcast", "barrier": "barrier",
 }
 

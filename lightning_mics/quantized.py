@@ -1,0 +1,230 @@
+"""Stateless quantized collectives for the slow hop: block-quantized int8 with one fp32 scale per block.
+
+Beside ``collectives.py`` and shaped like it: plain functions that take the tensors and the group and return
+NamedTuples. The int8 wire format, the scale rule, the non-finite rule and the per-block error bound are those of
+``triton_kernels`` ([Note: quantized wire format] in triton_kernels/_quant_layout.py); the kernels run in Triton
+on CUDA and in their bit-identical torch fallback elsewhere.
+
+[Note: quantized all-reduce]
+A sum over the r ranks of ``group`` of a flat of n elements, never summed in int8 (ZeRO++'s qgZ, one hop):
+  1. each rank quantizes its contribution into r chunks (int8 + one fp32 scale per block, the scales on the same
+     uint8 wire as their values);
+  2. all-to-all: chunk j of every rank goes to rank j;
+  3. rank j dequantizes the r copies of its chunk and sums them in fp32 (``dequantize_sum``, fixed row order);
+  4. rank j requantizes its reduced chunk (one row) and all-gathers it: every rank receives the same r rows;
+  5. every rank dequantizes those rows into the flat (any float dtype), so all replicas hold identical values.
+Per rank the wire carries 2 (r-1)/r x r * row_bytes ~ 2 (r-1)/r x n (1 + 4/B) bytes, where a ring all-reduce of
+fp32 carries 2 (r-1)/r x 4 n: the ratio is (1 + 4/B) / 4 (0.2505 at B = 2048) up to the chunk padding.
+Error per element of block b (A_i,b = the block's absmax in rank i's contribution): each rank's rounding is at
+most A_i,b / 254, the reduced chunk's requantization at most (its absmax) / 254 <= sum_i A_i,b / 254, so
+|out - sum_i x_i| <= 2 sum_i A_i,b / 254 plus fp32 rounding (a few ulps of sum_i A_i,b).
+A non-finite value makes its block's scale NaN, so that whole block is NaN in the sum on every rank (never a
+finite value). Gloo and NCCL both run ``all_to_all_single`` (checked on gloo, async included).
+
+[Note: error feedback]
+With ``residual`` (``feedback_buffers``), each quantization adds its previous rounding error before rounding and
+keeps the new one (in the flat's dtype): ``contribution`` for step 1 (n elements), ``reduced`` for step 4 (this
+rank's chunk). Summed over T calls the outputs then differ from the summed inputs only by the residuals left after
+the last call, sum_i e_i,T + g_T, bounded by the last call's block errors: the error no longer accumulates with T.
+A non-finite block leaves NaN in its residual; that NaN has already reached the output of the call (the step is
+visibly bad, a GradScaler skips it), so the residual is reset to 0 there rather than poisoning every later call.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+import triton_kernels
+from lightning_mics.collectives import AllGatherResult, NodeGroups
+from lightning_mics.telemetry import CommLog
+from triton_kernels._quant_layout import quant_layout
+
+DEFAULT_BLOCK_SIZE = 2048
+
+
+class Residual(NamedTuple):
+    """Error-feedback state of one flat ([Note: error feedback]): zeros to start, then owned by the calls."""
+
+    contribution: Tensor  # n elements: this rank's rounding error of its contribution
+    reduced: Tensor  # chunk elements: the rounding error of requantizing this rank's reduced chunk
+
+
+class QuantizedReduce(NamedTuple):
+    """A quantized all-reduce in flight: ``advance`` runs the next stage once ``work`` is done."""
+
+    output: Tensor  # the flat: holds the sum once ``step`` is None and ``work`` is done
+    work: Optional[dist.Work]
+    step: Optional[Callable[[], "QuantizedReduce"]] = None  # the remaining stages, issued after ``work``
+
+
+def wire_bytes(numel: int, group_size: int, block_size: int) -> int:
+    """Bytes of the int8 wire buffer of ``numel`` elements cut into ``group_size`` chunks (scales included): what
+    each all-to-all and all-gather of the quantized all-reduce moves, and the telemetry's figure for it."""
+    return group_size * quant_layout(numel, block_size, group_size).row_bytes
+
+
+def feedback_buffers(numel: int, group_size: int, block_size: int, dtype: torch.dtype,
+                     device: torch.device) -> Residual:
+    """Zeroed error-feedback state for a flat of ``numel`` elements reduced over ``group_size`` ranks."""
+    chunk = quant_layout(numel, block_size, group_size).chunk
+    return Residual(torch.zeros(numel, dtype=dtype, device=device), torch.zeros(chunk, dtype=dtype, device=device))
+
+
+def _record(log: Optional[CommLog], op: str, group_name: str, nbytes: int) -> None:
+    if log is not None:
+        log.record(op, group_name, nbytes)
+
+
+def _check(flat: Tensor, residual: Optional[Residual], layout) -> None:
+    if flat.dim() != 1 or not flat.is_contiguous() or not flat.is_floating_point():
+        raise ValueError(f"flat must be a contiguous 1-D float tensor, got shape {tuple(flat.shape)}, "
+                         f"dtype {flat.dtype}")
+    if residual is not None:
+        sizes = (residual.contribution.numel(), residual.reduced.numel())
+        if sizes != (layout.numel, layout.chunk):
+            raise ValueError(f"residual holds {sizes} elements; a flat of {layout.numel} over "
+                             f"{layout.num_chunks} ranks needs ({layout.numel}, {layout.chunk}) (feedback_buffers)")
+
+
+def _reset_nonfinite(residual: Tensor) -> None:
+    residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # [Note: error feedback]
+
+
+def quantized_all_reduce(
+    flat: Tensor,
+    group: dist.ProcessGroup,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    residual: Optional[Residual] = None,
+    async_op: bool = False,
+    log: Optional[CommLog] = None,
+    group_name: str = "replicate",
+    kernels: str = "auto",
+) -> QuantizedReduce:
+    """In-place sum of the 1-D ``flat`` over ``group`` through int8 blocks ([Note: quantized all-reduce]).
+
+    Synchronous: returns with the sum in ``flat``. ``async_op``: the all-to-all is in flight; ``wait_reduced``
+    (or ``advance`` stage by stage) finishes it. The telemetry records one ``all_reduce/<group_name>`` call with
+    the int8 wire buffer's bytes, scales included (an fp32 all-reduce records its 4 n bytes)."""
+    r = dist.get_world_size(group)
+    layout = quant_layout(flat.numel(), block_size, r)
+    _check(flat, residual, layout)
+    if r == 1 or layout.numel == 0:
+        return QuantizedReduce(flat, None)
+    sent = triton_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels,
+                                   residual=None if residual is None else residual.contribution)
+    if residual is not None:
+        _reset_nonfinite(residual.contribution)
+    recv = torch.empty_like(sent.wire)
+    work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=async_op)
+    _record(log, "all_reduce", group_name, recv.numel())
+
+    def gather_stage() -> QuantizedReduce:
+        part = triton_kernels.dequantize_sum(recv, r, block_size, backend=kernels)  # fp32, this rank's chunk
+        mine = triton_kernels.quantize([part], block_size, backend=kernels,
+                                       residual=None if residual is None else residual.reduced)
+        if residual is not None:
+            _reset_nonfinite(residual.reduced)
+        rows = torch.empty_like(sent.wire)
+        done = dist.all_gather_single(rows.view(-1), mine.wire.view(-1), group=group, async_op=async_op)
+
+        def copy_stage() -> QuantizedReduce:
+            triton_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
+            return QuantizedReduce(flat, None)
+
+        return QuantizedReduce(flat, done, copy_stage)
+
+    if not async_op:
+        return gather_stage().step()
+    return QuantizedReduce(flat, work, gather_stage)
+
+
+def advance(res: QuantizedReduce) -> QuantizedReduce:
+    """Waits for the stage in flight and issues the next (the all-gather, async), or finishes."""
+    if res.work is not None:
+        res.work.wait()
+    return res.step() if res.step is not None else QuantizedReduce(res.output, None)
+
+
+def wait_reduced(res: QuantizedReduce, log: Optional[CommLog] = None) -> Tensor:
+    """Runs a quantized all-reduce to the end; returns the flat holding the sum. Time blocked counts as waiting
+    on communication in the telemetry."""
+    t0 = time.perf_counter()
+    while res.work is not None or res.step is not None:
+        res = advance(res)
+    if log is not None:
+        log.waited(time.perf_counter() - t0)
+    return res.output
+
+
+def quantized_all_gather(
+    shard: Tensor,
+    group: dist.ProcessGroup,
+    group_size: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    async_op: bool = False,
+    log: Optional[CommLog] = None,
+    group_name: str = "inter",
+    kernels: str = "auto",
+) -> AllGatherResult:
+    """All-gathers a 1-D shard in int8 blocks and dequantizes into ``(group_size, S)`` of ``dtype`` (default the
+    shard's): every rank, the sender included, gets the same dequantized rows. The shard itself (fp32 masters) is
+    only read. Returns the ``AllGatherResult`` protocol of ``collectives`` (``gathered`` finishes it)."""
+    dtype = dtype or shard.dtype
+    size = shard.numel()
+    mine = triton_kernels.quantize([shard], block_size, backend=kernels)  # one row: c = ceil(S/4)*4 elements
+    rows = torch.empty(group_size * mine.layout.row_bytes, dtype=torch.uint8, device=shard.device)
+    work = dist.all_gather_single(rows, mine.wire.view(-1), group=group, async_op=async_op)
+    _record(log, "all_gather", group_name, rows.numel())
+
+    def finish() -> Tensor:
+        out = torch.empty(group_size, size, dtype=dtype, device=shard.device)
+        pad = mine.layout.chunk - size  # rows are c long on the wire: the padding of each lands in a scratch
+        if pad:
+            scratch = torch.empty(group_size, pad, dtype=dtype, device=shard.device)
+            outs = [t for j in range(group_size) for t in (out[j], scratch[j])]
+        else:
+            outs = list(out.unbind(0))
+        triton_kernels.dequantize(rows, outs, block_size, num_chunks=group_size, backend=kernels)
+        return out
+
+    if not async_op:
+        return AllGatherResult(finish(), None)
+    return AllGatherResult(None, work, finish)
+
+
+def quantized_all_gather_two_hop(
+    shard: Tensor,
+    nodes: NodeGroups,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    dtype: Optional[torch.dtype] = None,
+    async_op: bool = False,
+    log: Optional[CommLog] = None,
+    kernels: str = "auto",
+) -> AllGatherResult:
+    """``collectives.all_gather_two_hop`` (inter first) with the cross-node hop in int8 blocks: hop 1 over
+    ``nodes.inter`` quantized, dequantized into ``dtype`` on arrival; hop 2 inside the node in ``dtype``. Every
+    rank of the shard group ends with the same rank-major ``(s, S)`` buffer ([Note: two-hop all-gather])."""
+    dtype = dtype or shard.dtype
+    n, p, size = nodes.nodes, nodes.per_node, shard.numel()
+    hop1 = quantized_all_gather(shard, nodes.inter, n, block_size, dtype=dtype, async_op=async_op, log=log,
+                                group_name="inter", kernels=kernels)
+
+    def finish() -> Tensor:
+        first = hop1.finish() if hop1.finish is not None else hop1.output
+        hop2 = torch.empty(p * first.numel(), dtype=dtype, device=shard.device)
+        dist.all_gather_single(hop2, first.view(-1), group=nodes.intra)
+        _record(log, "all_gather", "intra", hop2.numel() * hop2.element_size())
+        return hop2.view(p, n, size).transpose(0, 1).contiguous().view(n * p, size)  # (l, a) -> rank-major
+
+    if not async_op:
+        return AllGatherResult(finish(), None)
+    return AllGatherResult(None, hop1.work, finish)
