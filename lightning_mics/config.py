@@ -23,6 +23,9 @@ _DTYPES = {
 _KERNELS = ("auto", "triton", "torch")
 _STATE_DICT_TYPES = ("sharded", "full")
 _DEFAULT_MAX_LIVE = 1_000_000_000
+QUANT_BLOCK_SIZE = 2048  # elements per scale (DeepSpeed's ZeRO++ uses 2k-8k)
+_QUANT_MAX_BLOCK = 1 << 16  # triton_kernels' limit: one Triton program holds a block in registers
+QUANTIZE_GRADIENTS = (False, True, "error_feedback")
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -52,6 +55,40 @@ def _int_like(option: str, value: Any, minimum: int, allow_none: bool = False) -
     if int(value) < minimum:
         _fail(option, value, f"an integer >= {minimum}" + (" or None" if allow_none else ""))
     return int(value)
+
+
+def check_quantization(quantize_gradients: Any, quantize_allgather: Any, block_size: Any) -> int:
+    """Value checks of the quantization options ([Note: quantized traffic]); returns the block size as an int.
+
+    [Note: quantized traffic]
+    ``quantize_gradients`` sends the replica all-reduce of shard gradients as int8 blocks with one fp32 scale per
+    ``quantization_block_size`` elements, summed in fp32 (``"error_feedback"``: each rank keeps its rounding error
+    and adds it to the next step's contribution); ``quantize_allgather`` sends the cross-node hop of the two-hop
+    parameter gather the same way, dequantized into ``param_dtype`` on arrival (the fp32 masters never see the
+    rounding). The collectives are ``lightning_mics/quantized.py`` ([Note: quantized all-reduce]).
+    """
+    if not any(quantize_gradients is v or quantize_gradients == v and isinstance(v, str) for v in QUANTIZE_GRADIENTS):
+        _fail("quantize_gradients", quantize_gradients, "False, True or 'error_feedback'")
+    if not isinstance(quantize_allgather, bool):
+        _fail("quantize_allgather", quantize_allgather, "True or False")
+    block = _int_like("quantization_block_size", block_size, 1)
+    if block > _QUANT_MAX_BLOCK:
+        _fail("quantization_block_size", block_size, f"an integer in [1, {_QUANT_MAX_BLOCK}] (elements per scale)")
+    if block != QUANT_BLOCK_SIZE and quantize_gradients is False and not quantize_allgather:
+        _fail("quantization_block_size", block_size,
+              f"the default {QUANT_BLOCK_SIZE} unless quantize_gradients or quantize_allgather is on")
+    return block
+
+
+def refuse_unwired_quantization(quantize_gradients: Any, quantize_allgather: bool) -> None:
+    """The quantized collectives exist (quantized.py) but the engine does not send them yet: an option that
+    would not act is refused."""
+    if quantize_gradients is not False:
+        _fail("quantize_gradients", quantize_gradients,
+              "False for now (the int8 replica all-reduce is not wired into the engine yet, issue 35)")
+    if quantize_allgather:
+        _fail("quantize_allgather", quantize_allgather,
+              "False for now (the int8 cross-node gather hop is not wired into the engine yet, issue 35)")
 
 
 @dataclass

@@ -68,6 +68,11 @@ def wire_bytes(numel: int, group_size: int, block_size: int) -> int:
     return group_size * quant_layout(numel, block_size, group_size).row_bytes
 
 
+def feedback_numel(numel: int, group_size: int, block_size: int) -> int:
+    """Elements of a flat's error-feedback state (``Residual``): the contribution's n plus the reduced chunk."""
+    return numel + quant_layout(numel, block_size, group_size).chunk
+
+
 def feedback_buffers(numel: int, group_size: int, block_size: int, dtype: torch.dtype,
                      device: torch.device) -> Residual:
     """Zeroed error-feedback state for a flat of ``numel`` elements reduced over ``group_size`` ranks."""

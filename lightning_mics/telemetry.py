@@ -1,5 +1,10 @@
 """Bytes per collective and group, counted where the collectives are issued.
 
+Quantized collectives (``quantized.py``) record what they move in int8: a quantized replica all-reduce is one
+``all_reduce/<group>`` call with its int8 wire buffer's bytes, scales included (an fp32 one records 4 bytes per
+element), and a quantized all-gather hop its int8 output's bytes; the dispatcher sees that buffer once as an
+all-to-all and once as an all-gather.
+
 These counters are for users (callbacks, the logger, the benchmark report). Tests do not trust them: they
 count c10d ops independently with a TorchDispatchMode (``tests/helpers/comm_mode.py``).
 """

@@ -267,3 +267,41 @@ def test_recommends_the_smallest_degree_that_fits():
     states = [e.model_state["total"] for e in p.estimates]
     assert states == sorted(states, reverse=True)
     assert math.isclose(p.estimate(32).model_state["total"] * 2, p.estimate(16).model_state["total"], rel_tol=0.01)
+
+
+def test_quantized_traffic_in_the_plan():
+    """[Note: quantized traffic]: the replica all-reduce moves b (1 + 4/B) bytes (int8 + one fp32 scale per block,
+    padding aside) in place of 4 b, the cross-node gather hop S (1 + 4/B) in place of 2 S (bf16), error feedback
+    keeps b + b/r more reduction-dtype elements per bucket; the intra-node traffic does not change."""
+    kw = dict(nodes=4, micro_batch=1, **P4D)
+    plain = lightning_mics.plan("gpt-neox-20b", degrees=[8, 16], **kw)
+    quant = lightning_mics.plan("gpt-neox-20b", degrees=[8, 16], quantize_gradients=True, quantize_allgather=True,
+                                quantization_block_size=1024, **kw)
+    ef = lightning_mics.plan("gpt-neox-20b", degrees=[8, 16], quantize_gradients="error_feedback", **kw)
+    for s in (8, 16):
+        p, q, e = plain.estimate(s), quant.estimate(s), ef.estimate(s)
+        fp32, int8 = p.comm["all_reduce/replicate"], q.comm["all_reduce/replicate"]
+        assert int8["calls"] == fp32["calls"]
+        assert int8["bytes"] == pytest.approx(fp32["bytes"] * (1 + 4 / 1024) / 4, rel=1e-4)
+        assert q.link_bytes["replica"] < 0.3 * p.link_bytes["replica"]
+        assert q.comm["all_gather/intra" if s == 16 else "all_gather/shard"] == \
+            p.comm["all_gather/intra" if s == 16 else "all_gather/shard"]
+        if s == 16:  # two hops: the first across nodes in int8 against bf16
+            assert q.comm["all_gather/inter"]["bytes"] == pytest.approx(
+                p.comm["all_gather/inter"]["bytes"] * (1 + 4 / 1024) / 2, rel=1e-4)
+        assert q.comm_seconds < p.comm_seconds
+        assert e.model_state["grads"] - p.model_state["grads"] == pytest.approx(
+            fp32["bytes"] * (1 + s / 32), rel=1e-4)  # fp32 residuals: b + b / r elements per bucket, r = 32 / s
+        assert e.model_state["params"] == p.model_state["params"]
+
+
+@pytest.mark.parametrize("kwargs, option", [
+    (dict(quantize_gradients="yes"), "quantize_gradients='yes'"),
+    (dict(quantize_allgather=1), "quantize_allgather=1"),
+    (dict(quantize_gradients=True, quantization_block_size=0), "quantization_block_size=0"),
+    (dict(quantization_block_size=512), "quantization_block_size=512"),
+])
+def test_bad_quantization_settings(kwargs, option):
+    with pytest.raises(ValueError, match="allowed") as err:
+        lightning_mics.plan("gpt", gpus_per_node=8, **kwargs)
+    assert option in str(err.value)

@@ -40,6 +40,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tensor-parallel", dest="tensor_parallel_degree", type=int)
     ap.add_argument("--shard-optimizer-state", action="store_true",
                     help="SageMaker's optimizer state sharding (ZeRO-1): s = 1, optimizer state over all ranks")
+    ap.add_argument("--quantize-gradients", choices=("true", "false", "error_feedback"),
+                    help="the replica all-reduce in int8 blocks (error_feedback: with each rank's residual kept)")
+    ap.add_argument("--quantize-allgather", action="store_true", default=None,
+                    help="the cross-node hop of the two-hop gather in int8 blocks")
+    ap.add_argument("--quantization-block-size", type=int, help="elements per fp32 scale")
     ap.add_argument("--headroom", type=float)
     ap.add_argument("--png", help="write the chart of memory per GPU against s here")
     return ap
@@ -50,6 +55,8 @@ def _settings(args: Dict[str, Any]) -> Dict[str, Any]:
     for k in ("max_live_parameters", "param_persistence_threshold"):
         if args[k] is not None:
             args[k] = int(args[k])
+    if args.get("quantize_gradients") in ("true", "false"):
+        args["quantize_gradients"] = args["quantize_gradients"] == "true"
     return {k: v for k, v in args.items() if v is not None}
 
 

@@ -21,6 +21,12 @@ With ``shard_optimizer_state`` (s = 1): one root unit holds every parameter with
 data-parallel ranks, so params, grads and optimizer state are those of s = W for that unit, plus its full
 parameters (gathered dtype) kept on every rank; per step one reduce-scatter per bucket and one all-gather over the
 W ranks at the boundary, whatever the accumulation, and the world all-reduce.
+Quantized traffic ([Note: quantized traffic] in config.py): with ``quantize_gradients`` each replica all-reduce
+moves the int8 wire of its bucket, ``quantized.wire_bytes`` = b (1 + 4/B) bytes up to padding, in place of b times
+the reduction dtype (x (1 + 4/B)/4 against fp32), the same ring time (an all-to-all and an all-gather of it), and
+with ``"error_feedback"`` each rank keeps, per bucket, its residual (b elements) and its reduced chunk's (b / r),
+in the reduction dtype, counted as gradients; with ``quantize_allgather`` and two hops the inter hop's output is
+n int8 rows of the shard, ``wire_bytes(S, 1, B)`` each. The replicated parameters' world all-reduce stays fp32.
 Links: a shard group inside a node uses the intra-node link; one across nodes the inter-node link (two hops:
 the first hop across nodes, the second inside); replica and world all-reduces cross nodes when there are
 several. Time is a ring model without overlap: (k-1)/k of the buffer per rank for all-gather and
@@ -42,6 +48,7 @@ from lightning_mics.collectives import bucket_runs
 from lightning_mics.placement import Rows
 from lightning_mics.plan.models import ModelSpec, ParamShape, UnitShapes
 from lightning_mics.plan.settings import GiB, OPTIMIZER_STATES, Settings, _fail
+from lightning_mics.quantized import feedback_numel, wire_bytes
 from lightning_mics.replicated import DDP_BUCKET_BYTES
 from lightning_mics.sharding import stays_replicated
 from lightning_mics.topology import plan_layout
@@ -155,6 +162,7 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0) -> D
             grads += u.shard_numel * reduce if reduce == master else sum(u.local[i] for i in trainable) * master
         opt += k * master * (sum(u.local[i] for i in trainable)
                              + sum(math.prod(p.shape) for p in u.replicated if p.trainable))
+    grads += _feedback_bytes(units, st, s, reduce)
     if any(p.trainable for u in units for p in u.replicated):
         buckets = _world_buckets(units, st)
         grads += sum(buckets) * 4 if master == 4 else \
@@ -162,6 +170,20 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0) -> D
     if st.shard_optimizer_state:  # the pinned root: its full parameters (gathered dtype) stay on every rank
         params += units[0].full_numel * st.dtypes()[1]
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
+
+
+def _feedback_bytes(units: List[_Unit], st: Settings, s: int, reduce: int) -> int:
+    """Error-feedback residuals ([Note: error feedback] in quantized.py): per replica bucket, b + its chunk."""
+    r = st.dp_world // s
+    if st.quantize_gradients != "error_feedback" or r == 1 or st.shard_optimizer_state:
+        return 0
+    return reduce * sum(feedback_numel(b, r, st.quantization_block_size)
+                        for u in units if u.sharded for b in _unit_buckets(u, st))
+
+
+def _replica_bytes(b: int, r: int, reduce: int, st: Settings) -> int:
+    """One replica all-reduce of a b-element bucket, in the telemetry's units."""
+    return wire_bytes(b, r, st.quantization_block_size) if st.quantize_gradients else b * reduce
 
 
 def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, int]]:
@@ -202,14 +224,16 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             n_gathers = A if (keep and u is others[-1]) else 2 * A
         if two_hop:
             n = s // layout.ranks_per_node
-            add("all_gather/inter", n * u.shard_numel * gathered, n_gathers)
+            inter = wire_bytes(u.shard_numel, 1, st.quantization_block_size) if st.quantize_allgather else \
+                u.shard_numel * gathered
+            add("all_gather/inter", n * inter, n_gathers)
             add("all_gather/intra", s * u.shard_numel * gathered, n_gathers)
         else:
             add("all_gather/shard", s * u.shard_numel * gathered, n_gathers)
         for b in _unit_buckets(u, st):
             add("reduce_scatter/shard", s * b * reduce, A)
             if r > 1:
-                add("all_reduce/replicate", b * reduce)
+                add("all_reduce/replicate", _replica_bytes(b, r, reduce, st))
     if W > 1:
         for b in _world_buckets(units, st):
             add("all_reduce/world", b * 4)

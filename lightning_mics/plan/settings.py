@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Tuple
 
-from lightning_mics.config import MiCSConfig, parse_dtype
+from lightning_mics.config import QUANT_BLOCK_SIZE, MiCSConfig, check_quantization, parse_dtype
 from lightning_mics.precision import default_dtypes
 
 GiB = 2 ** 30
@@ -80,10 +80,16 @@ class Settings:
     tensor_parallel_degree: int = _strategy_default("tensor_parallel_degree")
     # ZeRO-1: s = 1, optimizer state over all W ([Note: planner arithmetic] in estimate.py)
     shard_optimizer_state: bool = _strategy_default("shard_optimizer_state")
+    # [Note: quantized traffic] in config.py: int8 blocks across the slow hop (checked by check_quantization)
+    quantize_gradients: Any = False  # False | True | "error_feedback"
+    quantize_allgather: bool = False
+    quantization_block_size: int = QUANT_BLOCK_SIZE
     headroom: float = 0.10
 
     def __post_init__(self) -> None:
         MiCSConfig(**{name: getattr(self, name) for name in _STRATEGY_OPTIONS})
+        self.quantization_block_size = check_quantization(self.quantize_gradients, self.quantize_allgather,
+                                                          self.quantization_block_size)
         if self.shard_optimizer_state and self.tensor_parallel_degree > 1:
             _fail("shard_optimizer_state", True, "False with tensor_parallel_degree > 1")
         for name in ("nodes", "gpus_per_node", "seq_len", "micro_batch", "accumulation", "tensor_parallel_degree"):
