@@ -33,7 +33,7 @@ visibly bad, a GradScaler skips it), so the residual is reset to 0 there rather 
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,14 @@ from triton_kernels._quant_layout import quant_layout
 DEFAULT_BLOCK_SIZE = 2048
 
 
+class QuantizeSpec(NamedTuple):
+    """What a unit sends in int8 ([Note: quantized traffic] in config.py)."""
+
+    gradients: object = False  # False | True | "error_feedback": the replica all-reduce
+    allgather: bool = False  # the cross-node hop of the two-hop gather
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+
 class Residual(NamedTuple):
     """Error-feedback state of one flat ([Note: error feedback]): zeros to start, then owned by the calls."""
 
@@ -54,12 +62,36 @@ class Residual(NamedTuple):
     reduced: Tensor  # chunk elements: the rounding error of requantizing this rank's reduced chunk
 
 
-class QuantizedReduce(NamedTuple):
-    """A quantized all-reduce in flight: ``advance`` runs the next stage once ``work`` is done."""
+_Stage = Callable[[], Tuple[Optional[dist.Work], Optional["_Stage"]]]  # runs, returns (its work, the next)
 
-    output: Tensor  # the flat: holds the sum once ``step`` is None and ``work`` is done
-    work: Optional[dist.Work]
-    step: Optional[Callable[[], "QuantizedReduce"]] = None  # the remaining stages, issued after ``work``
+
+class QuantizedReduce:
+    """A quantized all-reduce in flight, waited like a ``dist.Work`` (``collectives.wait`` takes it).
+
+    Two collectives with local work between them: ``advance()`` waits for the one in flight and issues the
+    next (async); ``wait()`` runs everything left. A caller that advances it must do so at the same point of
+    its program on every rank: the all-gather it issues joins the group's sequence of collectives."""
+
+    def __init__(self, output: Tensor, work: Optional[dist.Work], step: Optional[_Stage]) -> None:
+        self.output = output  # the flat: holds the sum once ``done``
+        self._work, self._step = work, step
+
+    @property
+    def done(self) -> bool:
+        return self._work is None and self._step is None
+
+    def advance(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._step is not None:
+            step, self._step = self._step, None
+            self._work, self._step = step()
+
+    def wait(self) -> bool:
+        while not self.done:
+            self.advance()
+        return True
 
 
 def wire_bytes(numel: int, group_size: int, block_size: int) -> int:
@@ -113,14 +145,15 @@ def quantized_all_reduce(
 ) -> QuantizedReduce:
     """In-place sum of the 1-D ``flat`` over ``group`` through int8 blocks ([Note: quantized all-reduce]).
 
-    Synchronous: returns with the sum in ``flat``. ``async_op``: the all-to-all is in flight; ``wait_reduced``
-    (or ``advance`` stage by stage) finishes it. The telemetry records one ``all_reduce/<group_name>`` call with
-    the int8 wire buffer's bytes, scales included (an fp32 all-reduce records its 4 n bytes)."""
+    Synchronous: returns (done) with the sum in ``flat``. ``async_op``: the all-to-all is in flight; the
+    handle's ``wait()`` (or ``collectives.wait``) finishes it, ``advance()`` stage by stage. The telemetry records
+    one ``all_reduce/<group_name>`` call with the int8 wire buffer's bytes, scales included (an fp32 all-reduce
+    records its 4 n bytes)."""
     r = dist.get_world_size(group)
     layout = quant_layout(flat.numel(), block_size, r)
     _check(flat, residual, layout)
     if r == 1 or layout.numel == 0:
-        return QuantizedReduce(flat, None)
+        return QuantizedReduce(flat, None, None)
     sent = triton_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels,
                                    residual=None if residual is None else residual.contribution)
     if residual is not None:
@@ -129,7 +162,7 @@ def quantized_all_reduce(
     work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=async_op)
     _record(log, "all_reduce", group_name, recv.numel())
 
-    def gather_stage() -> QuantizedReduce:
+    def gather_stage():
         part = triton_kernels.dequantize_sum(recv, r, block_size, backend=kernels)  # fp32, this rank's chunk
         mine = triton_kernels.quantize([part], block_size, backend=kernels,
                                        residual=None if residual is None else residual.reduced)
@@ -138,33 +171,16 @@ def quantized_all_reduce(
         rows = torch.empty_like(sent.wire)
         done = dist.all_gather_single(rows.view(-1), mine.wire.view(-1), group=group, async_op=async_op)
 
-        def copy_stage() -> QuantizedReduce:
+        def copy_stage():
             triton_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
-            return QuantizedReduce(flat, None)
+            return None, None
 
-        return QuantizedReduce(flat, done, copy_stage)
+        return done, copy_stage
 
+    res = QuantizedReduce(flat, work, gather_stage)
     if not async_op:
-        return gather_stage().step()
-    return QuantizedReduce(flat, work, gather_stage)
-
-
-def advance(res: QuantizedReduce) -> QuantizedReduce:
-    """Waits for the stage in flight and issues the next (the all-gather, async), or finishes."""
-    if res.work is not None:
-        res.work.wait()
-    return res.step() if res.step is not None else QuantizedReduce(res.output, None)
-
-
-def wait_reduced(res: QuantizedReduce, log: Optional[CommLog] = None) -> Tensor:
-    """Runs a quantized all-reduce to the end; returns the flat holding the sum. Time blocked counts as waiting
-    on communication in the telemetry."""
-    t0 = time.perf_counter()
-    while res.work is not None or res.step is not None:
-        res = advance(res)
-    if log is not None:
-        log.waited(time.perf_counter() - t0)
-    return res.output
+        res.wait()
+    return res
 
 
 def quantized_all_gather(

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch.distributed as dist  # noqa: E402
 
 from lightning_mics import quantized as Q  # noqa: E402
-from lightning_mics.collectives import NodeGroups, all_gather_two_hop, gathered  # noqa: E402
+from lightning_mics.collectives import NodeGroups, all_gather_two_hop, gathered, wait  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 U = 2.0 ** -24
@@ -150,9 +150,11 @@ def case_async(r, rank):
     px = Q.quantized_all_reduce(ax, dist.group.WORLD, block, async_op=True)
     py = Q.quantized_all_reduce(ay, dist.group.WORLD, block, async_op=True)
     busy = torch.randn(200, 200) @ torch.randn(200, 200)  # compute while both all-to-alls are in flight
-    px = Q.advance(px)  # x's all-gather issued while y's all-to-all may still run
-    Q.wait_reduced(py)
-    Q.wait_reduced(px)
+    px.advance()  # x's all-gather issued while y's all-to-all may still run
+    assert not px.done and not py.done
+    wait(py)
+    px.wait()
+    assert px.done and py.done
     return {"equal": bool(torch.equal(ax, sync_x) and torch.equal(ay, sync_y)), "busy": float(busy.sum()) != 0}
 
 
