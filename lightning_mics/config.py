@@ -127,6 +127,10 @@ class MiCSConfig:
     state_dict_type: str = "sharded"  # checkpoints: a DCP directory of shards, or "full": one file by rank 0
     timeout: float = 1800.0
     stop_on_nonfinite: bool = False  # raise on every rank at the first non-finite loss or gradient norm
+    # [Note: quantized traffic]: int8 blocks on the slow hop
+    quantize_gradients: Any = False  # False | True | "error_feedback": the replica all-reduce in int8 blocks
+    quantize_allgather: bool = False  # the cross-node hop of the two-hop parameter gather in int8 blocks
+    quantization_block_size: int = QUANT_BLOCK_SIZE  # elements per fp32 scale
 
     def __post_init__(self) -> None:
         self.sharded_data_parallel_degree = _int_like(
@@ -196,6 +200,9 @@ class MiCSConfig:
             _fail("timeout", self.timeout, "a positive number of seconds")
         if not isinstance(self.stop_on_nonfinite, bool):
             _fail("stop_on_nonfinite", self.stop_on_nonfinite, "True or False")
+        self.quantization_block_size = check_quantization(
+            self.quantize_gradients, self.quantize_allgather, self.quantization_block_size)
+        refuse_unwired_quantization(self.quantize_gradients, self.quantize_allgather)
 
     def validate_world(self, world_size: int, ranks_per_node: int) -> int:
         """Resolves and checks the sharding degree against the world; returns s. Call before any group.
