@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Tuple
 
-from lightning_mics.config import QUANT_BLOCK_SIZE, MiCSConfig, MiCSOptions, check_quantization, parse_dtype
+from lightning_mics.config import MiCSConfig, MiCSOptions, check_quantization, parse_dtype
 from lightning_mics.precision import default_dtypes
 
 GiB = 2 ** 30
@@ -81,9 +81,9 @@ class Settings:
     # ZeRO-1: s = 1, optimizer state over all W ([Note: planner arithmetic] in estimate.py)
     shard_optimizer_state: bool = _strategy_default("shard_optimizer_state")
     # [Note: quantized traffic] in config.py: int8 blocks across the slow hop (checked by check_quantization)
-    quantize_gradients: Any = False  # False | True | "error_feedback"
-    quantize_allgather: bool = False
-    quantization_block_size: int = QUANT_BLOCK_SIZE
+    quantize_gradients: Any = _strategy_default("quantize_gradients")  # False | True | "error_feedback"
+    quantize_allgather: bool = _strategy_default("quantize_allgather")
+    quantization_block_size: int = _strategy_default("quantization_block_size")
     headroom: float = 0.10
 
     def __post_init__(self) -> None:
