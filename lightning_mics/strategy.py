@@ -72,7 +72,7 @@ from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSConfig, parse_dtype
 from lightning_mics.precision import default_dtypes, to_mics_precision
 from lightning_mics.materialize import has_meta
-from lightning_mics.runtime import MiCSEngine
+from lightning_mics.engine import MiCSEngine
 from lightning_mics.sharding import resolve_classes
 from lightning_mics import topology as T
 from lightning_mics.topology import Topology, build_topology, plan_layout
