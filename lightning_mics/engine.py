@@ -20,11 +20,12 @@ from lightning_mics.hooks import Hooks
 from lightning_mics.materialize import has_meta, materialize
 from lightning_mics.placement import ReplicatedParam, local
 from lightning_mics.replicated import ReplicatedReducer
-from lightning_mics.runtime import GradientPath, Unit
+from lightning_mics.gradients import GradientPath
 from lightning_mics.schedule import Schedule
 from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.telemetry import CommLog
 from lightning_mics.topology import Topology
+from lightning_mics.unit import Unit
 
 
 class MiCSEngine:
@@ -55,8 +56,8 @@ class MiCSEngine:
         plan = plan_sharding(root, classes, persistence_threshold, topo.layout.shard_size)
         on_meta = has_meta(root)  # before the units replace the parameters with their (allocated) shards
         nodes = topo.node_groups() if hierarchical else None
-        self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, bucket_size=bucket_size,
-                           kernels=kernels, log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only)
+        self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, kernels=kernels,
+                           log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only)
                       for up in plan.units]
         self.device = device
         by_param = {id(rp.full): rp for rp in self.replicated}
@@ -71,7 +72,7 @@ class MiCSEngine:
                                for r in p.refs}, device)
         self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
                                  reshard_after_forward)
-        self.grads = GradientPath(self.units, reducer, optimizer_state_only)
+        self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only)
         self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
                            self.schedule, self.grads)
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
@@ -189,7 +190,7 @@ class MiCSEngine:
         params += sum(nbytes(u.full_flat) for u in self.units if u.pinned)  # whole on every rank, kept
         grads = 0
         for u in self.units:
-            grads += nbytes(u.accum)
+            grads += nbytes(self.grads.of(u).accum)
             grads += sum(nbytes(p.sharded.grad) for p in u.all_params())
             grads += sum(nbytes(rp.full.grad) for rp in u.replicated)
         opt = 0

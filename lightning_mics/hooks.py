@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_mics.runtime import GradientPath
+from lightning_mics.gradients import GradientPath
 from lightning_mics.placement import ReplicatedParam
 from lightning_mics.schedule import Schedule
 from lightning_mics.unit import Unit, in_backward

@@ -48,10 +48,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mics import collectives as C
 from lightning_mics.placement import ReplicatedParam, local
 from lightning_mics.replicated import ReplicatedReducer
-from lightning_mics.sharding import UnitPlan
-from lightning_mics.topology import Topology
-from lightning_mics.unit import ShardedState, TrainingState
-from lightning_mics.unit import Unit as _Unit
+from lightning_mics.unit import ShardedState, TrainingState, Unit
 
 
 class _Bucket(NamedTuple):
@@ -61,18 +58,21 @@ class _Bucket(NamedTuple):
 
 
 class _PendingReduce(NamedTuple):
-    unit: "Unit"
+    grads: "UnitGrads"
     bucket: _Bucket
-    result: C.ReduceScatterResult
-    in_full: bool  # its input lies in the unit's full-parameter storage ([Note: staging in place])
+    result: C.ReduceScatterResult  # its input may lie in the unit's full storage ([Note: staging in place])
 
 
-class Unit(_Unit):
-    """A unit with its gradient state."""
+class UnitGrads:
+    """One unit's gradients: its buckets, this window's accumulator, the stash, which parameters got one. It
+    reads the unit's layout and writes only the full parameters' ``.grad`` and the DTensors' ``.grad``."""
 
-    def __init__(self, plan: UnitPlan, topo: Topology, *, bucket_size: int, **kwargs: Any) -> None:
-        super().__init__(plan, topo, **kwargs)
-        self.dp_size = topo.layout.dp_size  # gradients average over the data-parallel ranks (W / t)
+    def __init__(self, unit: Unit, bucket_size: int) -> None:
+        self.unit, self.params, self.topo, self.log = unit, unit.params, unit.topo, unit.log
+        self.s, self.kernels, self.device = unit.s, unit.kernels, unit.device
+        self.param_dtype, self.reduce_dtype = unit.param_dtype, unit.reduce_dtype
+        self.shard_numel = unit.shard_flat.numel()
+        self.dp_size = unit.topo.layout.dp_size  # gradients average over the data-parallel ranks (W / t)
         self.bucket_size = bucket_size
         self.needs_reduce = False
         self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
@@ -83,9 +83,11 @@ class Unit(_Unit):
         self.got_grad = torch.zeros(len(self.params), dtype=torch.bool)
         self._buckets: Dict[Tuple[int, ...], List[_Bucket]] = {}
 
+    def trainable(self) -> Tuple[int, ...]:
+        return self.unit.trainable()
+
     def drop(self) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone)."""
-        super().drop()
         self.needs_reduce = False
         self.accum = self.late = None
         self.replica_issued = False
@@ -121,8 +123,8 @@ class Unit(_Unit):
         self.needs_reduce = False
         slots = self.trainable()
         pending: List[_PendingReduce] = []
-        in_full = releasing and self.stage_in_full and self.state is ShardedState.GATHERED
-        at = 0  # next free byte of the full storage
+        in_full = releasing and self.unit.stage_in_full and self.unit.state is ShardedState.GATHERED
+        at = 0  # next free element (of reduce_dtype) of the full storage
         if slots:
             for bucket in self.buckets(slots):
                 grads = []
@@ -139,15 +141,14 @@ class Unit(_Unit):
                 staging = None
                 if in_full:
                     n = self.s * sum(self.params[i].rows.padded_numel for i in bucket.slots)
-                    staging = torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(
-                        self.full_flat.untyped_storage(), at // self.reduce_dtype.itemsize, (self.s, n // self.s))
-                    at += n * self.reduce_dtype.itemsize
+                    staging = self.unit.staging(at, self.s, n // self.s)
+                    at += n
                 res = C.reduce_scatter_grads(grads, self.topo.shard_group, self.s, dtype=self.reduce_dtype,
                                              scale=1.0 / self.dp_size, async_op=True, log=self.log,
                                              kernels=self.kernels, staging=staging)
-                if in_full and res.work is not None:
-                    self._reading_full.append(res.work)
-                pending.append(_PendingReduce(self, bucket, res, in_full))
+                if in_full:
+                    self.unit.reading_full(res.work)
+                pending.append(_PendingReduce(self, bucket, res))
         for sp in self.params:
             sp.full.grad = None
         return pending
@@ -169,19 +170,16 @@ class Unit(_Unit):
     def finish_reduce(self, p: _PendingReduce) -> None:
         C.wait(p.result.work, self.log)
         self._accumulate(p.bucket, p.result.output)
-        if p.in_full and p.result.work in self._reading_full:
-            self._reading_full.remove(p.result.work)
-            if not self._reading_full and self.state is ShardedState.SHARDED:
-                self.full_flat.untyped_storage().resize_(0)  # the release left it to the last reader
+        self.unit.done_reading(p.result.work)  # [Note: staging in place]: the last reader frees the storage
 
     def _accumulate(self, bucket: _Bucket, out: Tensor) -> None:
         """Adds a bucket's reduced shard gradients to the window's accumulator (to ``late`` once the replica
         all-reduce of the accumulator is in flight: [Note: replica sync overlap])."""
         if self.accum is None:
-            if bucket.lo == 0 and bucket.hi == self.shard_flat.numel():
+            if bucket.lo == 0 and bucket.hi == self.shard_numel:
                 self.accum = out  # the window's first reduction of the whole unit: its output is the accumulator
                 return
-            self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
+            self.accum = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         target = self.accum
         if self.replica_issued:
             if self.late is None:
@@ -201,7 +199,7 @@ class Unit(_Unit):
             return
         self.replica_issued = True
         if self.accum is None:  # no gradient reached this unit in the window on this rank: still take part
-            self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
+            self.accum = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         if self.topo.layout.replicas == 1:
             return
         for bucket in self.buckets(slots):
@@ -272,24 +270,29 @@ def _local_grad(p: Any) -> Optional[Tensor]:
 
 
 class GradientPath:
-    """The engine-wide part of the gradient path: the reduce queue, the 2-hop sync at the boundary, and the
-    replicated parameters' reducer ([Note: replicated gradients] in replicated.py)."""
+    """The gradient path of every unit: the reduce queue, the replica all-reduce's order, the 2-hop sync at the
+    boundary, and the replicated parameters' reducer ([Note: replicated gradients] in replicated.py)."""
 
-    def __init__(self, units: List[Unit], reducer: ReplicatedReducer, optimizer_state_only: bool) -> None:
-        self.units = units
+    def __init__(self, units: List[Unit], reducer: ReplicatedReducer, bucket_size: int,
+                 optimizer_state_only: bool) -> None:
+        self.all = [UnitGrads(u, bucket_size) for u in units]
+        self._of = {id(g.unit): g for g in self.all}
         self.reducer = reducer
         self.optimizer_state_only = optimizer_state_only
         self.sync_replicas = True  # False inside Lightning's block_backward_sync (not a boundary)
         self._pending_reduces: List[_PendingReduce] = []
-        self._sync_order = list(reversed(self.units))  # [Note: replica sync overlap]
+        self._sync_order = list(reversed(self.all))  # [Note: replica sync overlap]
         self._sync_cursor = 0
+
+    def of(self, unit: Unit) -> UnitGrads:
+        return self._of[id(unit)]
 
     def mark(self, unit: Unit) -> None:
         """A gradient reached the unit in this backward."""
-        unit.needs_reduce = True
+        self.of(unit).needs_reduce = True
 
     def needs_reduce(self, unit: Unit) -> bool:
-        return unit.needs_reduce
+        return self.of(unit).needs_reduce
 
     def replicated_ready(self, rp: ReplicatedParam) -> None:
         if self.sync_replicas:
@@ -301,23 +304,26 @@ class GradientPath:
         return self.sync_replicas or not self.optimizer_state_only
 
     def reduce(self, unit: Unit, releasing: bool) -> None:
-        self._pending_reduces.extend(unit.issue_reduce(releasing=releasing))
+        """The unit's gradients are complete: reduce-scatter them (``releasing``: the unit is released right
+        after, [Note: staging in place])."""
+        self._pending_reduces.extend(self.of(unit).issue_reduce(releasing=releasing))
         while len(self._pending_reduces) > 1:  # one reduce-scatter in flight while the next one is built
             p = self._pending_reduces.pop(0)
-            p.unit.finish_reduce(p)
+            p.grads.finish_reduce(p)
         self._advance_replica_sync()
 
     def end_of_backward(self, unit: Unit, releasing: bool) -> None:
         """The end-of-backward callback, unit by unit in reverse: what is left is reduced (or stashed)."""
-        if unit.needs_reduce and self.reduce_now():
+        g = self.of(unit)
+        if g.needs_reduce and self.reduce_now():
             self.reduce(unit, releasing)
-        elif unit.needs_reduce and unit.param_dtype != unit.reduce_dtype:
-            unit.stash_grads()  # [Note: optimizer-state-only sharding]: the window sums in reduce_dtype
+        elif g.needs_reduce and g.param_dtype != g.reduce_dtype:
+            g.stash_grads()  # [Note: optimizer-state-only sharding]: the window sums in reduce_dtype
 
     def drain(self) -> None:
         while self._pending_reduces:
             p = self._pending_reduces.pop(0)
-            p.unit.finish_reduce(p)
+            p.grads.finish_reduce(p)
         self._advance_replica_sync()
 
     def _advance_replica_sync(self) -> None:
@@ -327,12 +333,12 @@ class GradientPath:
             return
         order = self._sync_order
         while self._sync_cursor < len(order):
-            unit = order[self._sync_cursor]
-            done = (unit.training_state is TrainingState.POST_BACKWARD and not unit.needs_reduce
-                    and all(p.unit is not unit for p in self._pending_reduces))
+            g = order[self._sync_cursor]
+            done = (g.unit.training_state is TrainingState.POST_BACKWARD and not g.needs_reduce
+                    and all(p.grads is not g for p in self._pending_reduces))
             if not done:
                 return
-            unit.issue_replica_sync()
+            g.issue_replica_sync()
             self._sync_cursor += 1
 
     # -- accumulation boundary ------------------------------------------------------------------------------
@@ -340,17 +346,17 @@ class GradientPath:
         """MiCS 2-hop sync: replica all-reduce of shard gradients, world all-reduce of replicated ones
         ([Note: replicated gradients] in replicated.py, whose last bucket carries the sharded parameters'
         flags: did any rank get a gradient?, so that a parameter no rank used keeps ``grad=None``)."""
-        for unit in self._sync_order:  # what the backward did not issue, in the same fixed order
-            unit.issue_replica_sync()
-        for unit in self._sync_order:
-            unit.finish_replica_sync()
+        for g in self._sync_order:  # what the backward did not issue, in the same fixed order
+            g.issue_replica_sync()
+        for g in self._sync_order:
+            g.finish_replica_sync()
         self._sync_cursor = 0
-        flags = [u.got_grad[list(u.trainable())] for u in self.units]
+        flags = [g.got_grad[list(g.trainable())] for g in self.all]
         got = self.reducer.finish(torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool))
         start = 0
-        for unit in self.units:
-            n = len(unit.trainable())
-            unit.publish(got[start:start + n])
+        for g in self.all:
+            n = len(g.trainable())
+            g.publish(got[start:start + n])
             start += n
 
     def reset(self) -> None:
@@ -358,4 +364,5 @@ class GradientPath:
         self._pending_reduces.clear()
         self._sync_cursor = 0
         self.reducer.reset()
-
+        for g in self.all:
+            g.drop()
