@@ -88,14 +88,14 @@ def build(case: str, cfg: GPTConfig):
 
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
         return fsdp2_shard(model, mesh), None
+    from lightning_mics.config import MiCSConfig
     from lightning_mics.engine import MiCSEngine
     from lightning_mics.topology import build_topology, plan_layout
 
     s = int(case.split("=")[1])
     topo = build_topology(plan_layout(world, s), "cpu")
-    engine = MiCSEngine(model, topo, shard_units=None, persistence_threshold=0, bucket_size=int(5e8),
-                        param_dtype=None, reduce_dtype=torch.float32, kernels="torch", device=torch.device("cpu"),
-                        prefetch=1)
+    options = MiCSConfig(param_persistence_threshold=0, kernels="torch").freeze()
+    engine = MiCSEngine(model, topo, options.resolved("32-true", False), torch.device("cpu"))
     return model, engine
 
 

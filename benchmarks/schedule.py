@@ -70,13 +70,13 @@ def build(name, cfg, mp_cfg):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, None
+    from lightning_mics.config import MiCSConfig
     from lightning_mics.engine import MiCSEngine
     from lightning_mics.topology import build_topology, plan_layout
 
     topo = build_topology(plan_layout(world, cfg["s"], cfg["ranks_per_node"]), "cpu")
-    engine = MiCSEngine(model, topo, shard_units=None, persistence_threshold=0, bucket_size=int(5e8),
-                        param_dtype=None, reduce_dtype=torch.float32, kernels="torch", device=torch.device("cpu"),
-                        prefetch=cfg["prefetch"], hierarchical=cfg.get("hierarchical", False),
+    options = MiCSConfig(param_persistence_threshold=0, kernels="torch", prefetch=cfg["prefetch"]).freeze()
+    engine = MiCSEngine(model, topo, options.resolved("32-true", cfg.get("hierarchical", False)), torch.device("cpu"),
                         keep_for_backward=cfg.get("keep_for_backward", True))
     return model, engine
 

@@ -222,20 +222,42 @@ def load_sharded(path: Path, index: Metadata, module: nn.Module, optimizers: Seq
     """Reads this rank's part of a sharded checkpoint ([Note: resharding]). The module's own shards are read in
     place; optimizer state into new tensors, returned by name for ``load_optimizer_by_name``. Key mismatches are
     raised before DCP's collectives (every rank sees the same index). Collective over the world."""
-    saved = {where[0] for where, _ in _saved(index, "state_dict")}
-    target = model_state(module, engine)
-    missing = [k for k in target if k not in saved]
-    unexpected = sorted(saved - set(target))
-    if strict and (missing or unexpected):
-        some = lambda keys: f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"  # noqa: E731
-        raise CheckpointError(f"{path}: does not match the module: missing {some(missing)}, unexpected "
-                              f"{some(unexpected)} (LightningModule.strict_loading = False loads the common keys).")
-    state: Dict[str, Any] = {"state_dict": {k: v for k, v in target.items() if k in saved}}
+    state: Dict[str, Any] = {"state_dict": _model_target(path, index, "state_dict", module, strict, engine)}
     for i in range(len(optimizers)):
         state[f"optimizer_{i}"] = _optimizer_target(module, index, f"optimizer_{i}", path, engine)
     dcp.load(state, storage_reader=files.SafeReader(path),
              planner=files.LoadPlanner(weights_only=weights_only is not False))
     return state
+
+
+def _model_target(path: Path, index: Metadata, key: str, module: nn.Module, strict: bool,
+                  engine: Optional[MiCSEngine]) -> Dict[str, Any]:
+    """The module's own state (its shards, read in place) for the entries saved under ``key``."""
+    saved = {where[0] for where, _ in _saved(index, key)}
+    target = model_state(module, engine)
+    missing = [k for k in target if k not in saved]
+    unexpected = sorted(saved - set(target))
+    if strict and (missing or unexpected):
+        some = lambda keys: f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"  # noqa: E731
+        raise CheckpointError(f"{path}: does not match the module{'' if key == 'state_dict' else f' {key!r}'}: "
+                              f"missing {some(missing)}, unexpected {some(unexpected)} (strict loading off: "
+                              "LightningModule.strict_loading = False, fabric.load(..., strict=False), loads the "
+                              "common keys).")
+    return {k: v for k, v in target.items() if k in saved}
+
+
+def load_sharded_entries(path: Path, index: Metadata, modules: Dict[str, tuple], optimizers: Dict[str, tuple],
+                         strict: bool, weights_only: Optional[bool]) -> None:
+    """Fabric's sharded checkpoint: ``modules`` = {key: (module, engine)} read in place, ``optimizers`` =
+    {key: (module, optimizer, engine)} loaded by name, each from the entries saved under its key (any saved
+    layout: [Note: resharding]). Collective over the world."""
+    state: Dict[str, Any] = {k: _model_target(path, index, k, m, strict, e) for k, (m, e) in modules.items()}
+    for key, (module, _, engine) in optimizers.items():
+        state[key] = _optimizer_target(module, index, key, path, engine)
+    dcp.load(state, storage_reader=files.SafeReader(path),
+             planner=files.LoadPlanner(weights_only=weights_only is not False))
+    for key, (module, optimizer, engine) in optimizers.items():
+        load_optimizer_by_name(module, optimizer, state[key], path, engine)
 
 
 @torch.no_grad()
@@ -270,9 +292,6 @@ def save_sharded(checkpoint: Dict[str, Any], path: Path, token: str, *, coordina
     """Writes ``checkpoint`` (Lightning's dict; its ``state_dict`` and ``optimizer_states`` by name, in shards) as
     a sharded checkpoint at ``path`` ([Note: checkpoint layout], [Note: crash-safe save]). Collective over the
     world; ``coordinator`` (global rank 0) writes Lightning's metadata and publishes."""
-    tmp = files.temporary(path, token)
-    if coordinator:
-        files.prepare(path, token)
     state: Dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
     optimizer_states = checkpoint.pop("optimizer_states", None)
     for i, osd in enumerate(optimizer_states or []):
@@ -280,6 +299,15 @@ def save_sharded(checkpoint: Dict[str, Any], path: Path, token: str, *, coordina
     meta = dict(checkpoint)
     meta[files.MARKER] = files.marker("sharded", optimizers=None if optimizer_states is None else len(optimizer_states),
                                       **layout)
+    write_sharded(state, meta, path, token, coordinator=coordinator)
+
+
+def write_sharded(state: Dict[str, Any], meta: Dict[str, Any], path: Path, token: str, *, coordinator: bool) -> None:
+    """``state`` (tensors: DTensor shards or whole) through DCP and ``meta`` (the rest, with the marker) as
+    ``meta.pt``, into a temporary directory published at ``path`` by the coordinator. Collective over the world."""
+    tmp = files.temporary(path, token)
+    if coordinator:
+        files.prepare(path, token)
     tmp.mkdir(parents=True, exist_ok=True)
     dcp.save(state, storage_writer=FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True),
              planner=DefaultSavePlanner())
@@ -332,6 +360,13 @@ def consolidate(path: Any) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: cannot be read: {type(err).__name__}: {err}") from err
     out = dict(meta)
     info = out.pop(files.MARKER)
+    fabric = info.get("fabric")
+    if fabric is not None:  # written by fabric.save: each module and optimizer under its own key
+        out.update({k: state.get(k, {}) for k in fabric["modules"]})
+        out.update({k: _by_index(state.get(k, {})) for k in fabric["optimizers"]})
+        out[files.MARKER] = files.marker("full", fabric=fabric,
+                                         consolidated_from={k: v for k, v in info.items() if k != "version"})
+        return out
     out["state_dict"] = state.get("state_dict", {})
     if info.get("optimizers") is not None:
         out["optimizer_states"] = [_by_index(state.get(f"optimizer_{i}", {})) for i in range(info["optimizers"])]

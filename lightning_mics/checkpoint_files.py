@@ -317,8 +317,10 @@ def check_sharded(path: Path, weights_only: Optional[bool] = True) -> Tuple[Dict
     return meta, md
 
 
-def load_full(path: Path, weights_only: Optional[bool] = True, loader: Any = None) -> Dict[str, Any]:
-    """A full checkpoint file as a dict with a ``state_dict``; ``loader(path)`` replaces ``torch.load``."""
+def load_full(path: Path, weights_only: Optional[bool] = True, loader: Any = None,
+              lightning: bool = True) -> Dict[str, Any]:
+    """A full checkpoint file as a dict with a ``state_dict`` (``lightning=False``, as Fabric saves, or a file
+    written by ``fabric.save``: any dict); ``loader(path)`` replaces ``torch.load``."""
     if loader is not None:
         try:
             ckpt = loader(path)
@@ -326,7 +328,9 @@ def load_full(path: Path, weights_only: Optional[bool] = True, loader: Any = Non
             raise _unreadable(path, err, weights_only) from err
     else:
         ckpt = _torch_load(path, weights_only)
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
+    info = ckpt.get(MARKER) if isinstance(ckpt, dict) else None
+    lightning = lightning and not (isinstance(info, dict) and "fabric" in info)
+    if not isinstance(ckpt, dict) or (lightning and not isinstance(ckpt.get("state_dict"), dict)):
         raise CheckpointError(f"{path}: not a Lightning checkpoint (no 'state_dict' dict in it).")
     if MARKER in ckpt:  # written by lightning_mics; Lightning checkpoints of other strategies carry none
         check_marker(ckpt[MARKER], path, "full")

@@ -6,14 +6,25 @@ group exists (a rank that raised alone inside a collective would leave the other
 
 Checks that need the world size (``sharded_data_parallel_degree`` must divide it) live in
 :meth:`MiCSConfig.validate_world`, called by the strategy before it creates any group.
+
+[Note: one option list]
+The options are listed once, as ``MiCSConfig``'s fields. ``MiCSOptions`` is the frozen copy made from those
+fields (lists become tuples) that the front ends (``strategy.py`` for the Trainer, ``fabric.py`` for Fabric), the
+engine and the planner's defaults read; both front ends take the options as keywords (``**options``) and
+:func:`config_from` refuses an unknown name; :func:`with_options_signature` shows them in ``help()``/
+``inspect.signature``. :meth:`MiCSOptions.resolved` fills what the precision and the layout decide (gathered and
+reduction dtypes, one-hop or two-hop gather) before the engine is built.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, List, Optional
+import inspect
+from dataclasses import dataclass, field, fields, make_dataclass, replace
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
+
+from lightning_mics.precision import default_dtypes
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
@@ -173,3 +184,49 @@ class MiCSConfig:
     @classmethod
     def names(cls) -> List[str]:
         return [f.name for f in fields(cls)]
+
+    def freeze(self) -> "MiCSOptions":
+        """The validated options as the frozen ``MiCSOptions`` (lists as tuples)."""
+        return MiCSOptions(**{name: _frozen(getattr(self, name)) for name in self.names()})
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _resolved(self: Any, precision: str, hierarchical: bool) -> "MiCSOptions":
+    """These options with what the engine needs decided: the gathered and reduction dtypes (from the precision
+    where not given) and whether the parameter all-gather takes two hops."""
+    param_default, reduce_default = default_dtypes(precision)
+    return replace(self, param_dtype=parse_dtype("param_dtype", self.param_dtype) or param_default,
+                   reduce_dtype=parse_dtype("reduce_dtype", self.reduce_dtype) or reduce_default,
+                   hierarchical_allgather=bool(hierarchical))
+
+
+# [Note: one option list]: the frozen twin of MiCSConfig, generated from its fields
+MiCSOptions = make_dataclass(
+    "MiCSOptions", [(f.name, f.type, field(default=f.default)) for f in fields(MiCSConfig)], frozen=True,
+    namespace={"resolved": _resolved, "validate_world": MiCSConfig.validate_world, "names": MiCSConfig.names,
+               "__module__": __name__,
+               "__doc__": "The strategy's options, validated and frozen (built by ``MiCSConfig.freeze``)."})
+
+
+def config_from(options: Dict[str, Any], owner: str = "MiCSStrategy") -> MiCSConfig:
+    """``MiCSConfig(**options)``, an unknown keyword refused as a ValueError naming it and the allowed names."""
+    names = MiCSConfig.names()
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ValueError(f"{owner} option {unknown[0]}={options[unknown[0]]!r} is invalid: allowed is a keyword of "
+                         f"{names}.")
+    return MiCSConfig(**options)
+
+
+def with_options_signature(init: Callable) -> Callable:
+    """Shows MiCSConfig's fields as keyword-only parameters in place of ``**options`` (for ``help`` and
+    ``inspect.signature``); the function itself still takes ``**options``."""
+    sig = inspect.signature(init)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+               for f in fields(MiCSConfig)]
+    init.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return init

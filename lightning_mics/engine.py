@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_mics import full_state
 from lightning_mics.activations import ActivationCheckpointing, plan_groups
+from lightning_mics.config import MiCSOptions
 from lightning_mics.hooks import Hooks
 from lightning_mics.materialize import has_meta, materialize
 from lightning_mics.placement import ReplicatedParam, local
@@ -31,22 +32,16 @@ from lightning_mics.unit import Unit
 class MiCSEngine:
     """Shards a module in place and drives the hooks of all its units ([Note: one optimizer step] in hooks.py)."""
 
-    def __init__(self, root: nn.Module, topo: Topology, *, shard_units: Optional[Sequence],
-                 persistence_threshold: int, bucket_size: int, param_dtype: Optional[torch.dtype],
-                 reduce_dtype: torch.dtype, kernels: str, device: torch.device, prefetch: int = 1,
-                 max_live_parameters: int = 10 ** 18, hierarchical: bool = False,
-                 activation_checkpointing: Optional[Sequence] = None, checkpoint_group_size: int = 1,
-                 activation_offload: bool = False, keep_for_backward: bool = True,
-                 reshard_after_forward: bool = True, optimizer_state_only: bool = False) -> None:
-        self.root, self.topo, self.kernels = root, topo, kernels
-        self.options = dict(shard_units=shard_units, persistence_threshold=persistence_threshold,
-                            bucket_size=bucket_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                            kernels=kernels, device=device, prefetch=prefetch,
-                            max_live_parameters=max_live_parameters, hierarchical=hierarchical,
-                            activation_checkpointing=activation_checkpointing,
-                            checkpoint_group_size=checkpoint_group_size, activation_offload=activation_offload,
-                            keep_for_backward=keep_for_backward, reshard_after_forward=reshard_after_forward,
-                            optimizer_state_only=optimizer_state_only)
+    def __init__(self, root: nn.Module, topo: Topology, options: MiCSOptions, device: torch.device,
+                 keep_for_backward: bool = True) -> None:
+        """``options``: resolved (``MiCSOptions.resolved``: dtypes and the gather's hops decided)."""
+        self.root, self.topo, self.kernels, self.options = root, topo, options.kernels, options
+        shard_units, persistence_threshold = options.shard_units, options.param_persistence_threshold
+        bucket_size, param_dtype, reduce_dtype = options.reduce_bucket_size, options.param_dtype, options.reduce_dtype
+        kernels, prefetch, max_live_parameters = options.kernels, options.prefetch, options.max_live_parameters
+        hierarchical, activation_checkpointing = options.hierarchical_allgather, options.activation_checkpointing
+        checkpoint_group_size, activation_offload = options.checkpoint_group_size, options.activation_offload
+        reshard_after_forward, optimizer_state_only = options.reshard_after_forward, options.shard_optimizer_state
         self.log = CommLog()
         self.optimizer_state_only = optimizer_state_only
         # [Note: optimizer-state-only sharding] in gradients.py: one unit (the root) holds every parameter

@@ -27,7 +27,7 @@ in the same order on every rank, so a prefetch in flight is matched by the peers
 from __future__ import annotations
 
 import time
-from typing import List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,20 @@ def _local_flags(loss: Optional[Tensor], params: Sequence[torch.nn.Parameter]) -
         norms = torch._foreach_norm([g.float() for g in grads], 2.0)
         bad_grad = not bool(torch.isfinite(torch.stack(norms)).all())
     return [bad_loss, bad_grad]
+
+
+def checked(closure: Callable[[], Any], optimizer: torch.optim.Optimizer, step: Callable[[], int],
+            device: torch.device) -> Callable[[], Any]:
+    """``stop_on_nonfinite``: ``closure`` followed by :func:`check_finite` (after the boundary micro-batch's
+    forward and backward, gradients reduced; before clipping and the optimizer step)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def run() -> Any:
+        loss = closure()
+        check_finite(loss, params, step(), device)
+        return loss
+
+    return run
 
 
 @torch.no_grad()

@@ -190,8 +190,8 @@ def test_mics_yaml_instantiates() -> None:
                                                        "strategy.shard_units=[lightning_mics.app.models.gpt.Block]"])
     strategy = hydra.utils.instantiate(cfg.strategy, _convert_="all")
     assert isinstance(strategy, MiCSStrategy)
-    assert strategy.config.sharded_data_parallel_degree == 2
-    assert strategy.config.shard_units == ["lightning_mics.app.models.gpt.Block"]
+    assert strategy.options.sharded_data_parallel_degree == 2
+    assert strategy.options.shard_units == ("lightning_mics.app.models.gpt.Block",)
 
 
 def test_engine_never_imports_the_app() -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Tuple
 
-from lightning_mics.config import MiCSConfig, parse_dtype
+from lightning_mics.config import MiCSConfig, MiCSOptions, parse_dtype
 from lightning_mics.precision import default_dtypes
 
 GiB = 2 ** 30
@@ -33,7 +33,7 @@ INSTANCES: Dict[str, Instance] = {
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-_CONFIG_DEFAULTS = {f.name: f.default for f in fields(MiCSConfig)}
+_DEFAULTS = MiCSOptions()  # the strategy's defaults ([Note: one option list] in config.py)
 # The strategy's options the planner takes, passed on to MiCSConfig for its checks.
 _STRATEGY_OPTIONS = ("prefetch", "max_live_parameters", "param_persistence_threshold", "reduce_bucket_size",
                      "param_dtype", "reduce_dtype", "shard_optimizer_state")
@@ -48,8 +48,8 @@ def _nbytes(dtype: Any) -> int:
 
 
 def _strategy_default(name: str) -> Any:
-    """A field whose default is MiCSConfig's (all of these are immutable: ints, bools, None)."""
-    return field(default=_CONFIG_DEFAULTS[name])
+    """A field whose default is the strategy's (all of these are immutable: ints, bools, None)."""
+    return field(default=getattr(_DEFAULTS, name))
 
 
 @dataclass

@@ -68,7 +68,7 @@ def assert_sharded(module):
     want = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
     precision = module.trainer.precision
     if precision in want:
-        gathered = module.trainer.strategy.engine.options["param_dtype"] or torch.float32  # None: the master dtype
+        gathered = module.trainer.strategy.engine.options.param_dtype or torch.float32  # None: the master dtype
         assert gathered == want[precision], (gathered, precision)
 
 

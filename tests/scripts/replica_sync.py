@@ -12,6 +12,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from lightning_mics.config import MiCSConfig  # noqa: E402
 from lightning_mics.engine import MiCSEngine  # noqa: E402
 from lightning_mics.topology import build_topology, plan_layout  # noqa: E402
 
@@ -33,9 +34,8 @@ def main() -> None:
     topo = build_topology(plan_layout(world, 2, 2), "cpu")
     results = []
     for bucket_size in (int(5e8), 40):  # one bucket per unit / several, some non-consecutive
-        engine = MiCSEngine(model, topo, shard_units=None, persistence_threshold=0, bucket_size=bucket_size,
-                            param_dtype=None, reduce_dtype=torch.float32, kernels="torch",
-                            device=torch.device("cpu"), prefetch=1)
+        options = MiCSConfig(param_persistence_threshold=0, reduce_bucket_size=bucket_size, kernels="torch").freeze()
+        engine = MiCSEngine(model, topo, options.resolved("32-true", False), torch.device("cpu"))
         for k, unit in enumerate(engine.units):
             if not unit.trainable():
                 continue

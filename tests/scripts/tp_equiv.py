@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -224,9 +225,9 @@ def full_checkpoints(args, rank, fit, trainer):
     its own part) it equals it up to summation order. The sharded checkpoint, consolidated into one file,
     resumes at t the same way; the sharded directory itself resumes at t = 1 (DCP reshards)."""
     out = Path(args.out)
-    trainer.strategy.config.state_dict_type = "full"  # the same trained state, saved as one file
+    trainer.strategy.options = replace(trainer.strategy.options, state_dict_type="full")  # the same trained state, saved as one file
     trainer.save_checkpoint(out / "tp_full.ckpt")
-    trainer.strategy.config.state_dict_type = "sharded"
+    trainer.strategy.options = replace(trainer.strategy.options, state_dict_type="sharded")
     trainer.save_checkpoint(out / "tp_sharded.ckpt")
     if rank == 0:
         from lightning_mics.checkpoint import consolidate

@@ -1,0 +1,240 @@
+"""What both front ends need, below both: the Trainer strategy (``strategy.py``) and the Fabric strategy
+(``fabric.py``) are glue over these functions and the engine.
+
+- layout: the sharding degree checked against the world before any process or group, the device mesh built;
+- engine construction: a module sharded (or its shards reused), optimizers moved onto the shards;
+- the plain<->sharded switches ([Note: optimizers follow the module]);
+- clipping by norm (reduced over the shard group: clip.py) and by value (elementwise: on the shards as they are);
+- teardown: plain again when the model fits, otherwise left sharded ([Note: after fit]).
+
+Every module that has been sharded is found through ``ENGINES`` (kept beside the module, never inside it: the
+module stays picklable). A front end may hold several (Fabric: a GAN's generator and discriminator), all on one
+``Topology``.
+
+[Note: after fit]
+A model whose parameters fit in ``max_live_parameters`` (elements), without tensor parallelism, is made plain
+again at the end of every ``fit`` / ``validate`` / ``test`` / ``predict``: full parameters (gathered unit by
+unit from the fp32 masters) back in the modules, and the optimizer re-pointed at them with its consolidated
+state, exactly what DDP leaves. A larger model stays sharded, as FSDP2 leaves its module: the parameters stay
+DTensors, calling the module gathers unit by unit (a collective: every rank calls it),
+``trainer.strategy.lightning_module_state_dict()`` and checkpoints work as during fit, and the next
+``fit``/``validate``/``test`` on the same layout reuses the shards. After a failed ``fit`` the module is left
+sharded the same way (without any collective: a peer may be gone), and a second ``fit`` picks it up.
+``lightning_module_state_dict()`` is the full state dict on rank 0 and {} elsewhere, plain or sharded, as
+Lightning's sharded strategies return it; so is ``optimizer_state()`` with ``state_dict_type="full"``.
+
+[Note: optimizers follow the module]
+Lightning keeps fit's optimizers on the strategy through a later ``validate``/``test``/``predict`` (and saves
+them with ``trainer.save_checkpoint``), so every switch between plain and sharded re-points them: sharding a
+plain module moves each optimizer that holds its parameters onto the new shards with its state cut to this
+rank's rows, and making it plain gives them back the full parameters with the consolidated state. Module and
+optimizers never disagree about which parameters exist, whatever the order of the entry points. Both switches
+run under ``inference_mode(False)``: a ``with torch.inference_mode(): trainer.test(...)`` must not leave
+inference tensors as parameters or shards, which a later ``fit`` could not train.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from lightning_mics import checkpoint as ckpt
+from lightning_mics import topology as T
+from lightning_mics.clip import clip_grad_norm_
+from lightning_mics.config import MiCSOptions
+from lightning_mics.engine import MiCSEngine
+from lightning_mics.topology import Topology, build_topology, plan_layout
+
+ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDictionary()
+
+
+# -- layout ---------------------------------------------------------------------------------------------------
+def connect(cluster_environment: Any, backend: Optional[str], device: torch.device, timeout: float) -> str:
+    """The default process group (gloo on CPU, NCCL on CUDA unless ``backend`` says otherwise), with the
+    ``timeout`` option; returns the backend."""
+    from lightning.fabric.utilities.distributed import (
+        _get_default_process_group_backend_for_device,
+        _init_dist_connection,
+    )
+
+    backend = backend or _get_default_process_group_backend_for_device(device)
+    kwargs: Dict[str, Any] = {"timeout": timedelta(seconds=timeout)}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    _init_dist_connection(cluster_environment, backend, **kwargs)
+    return backend
+
+
+def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, device_type: str) -> Topology:
+    """The (replicate, shard[, tp]) mesh for this world. Collective: call after the process group exists.
+    With ``shard_optimizer_state`` the shards go over all W ranks ([Note: optimizer-state-only sharding])."""
+    s = options.validate_world(world_size, ranks_per_node)
+    T.release_groups_at_exit()  # [Note: groups at exit] in topology.py
+    layout = plan_layout(world_size, world_size if options.shard_optimizer_state else s, ranks_per_node,
+                         options.tensor_parallel_degree)
+    return build_topology(layout, device_type)
+
+
+def hierarchical(options: MiCSOptions, topology: Topology, warn: Optional[Callable[[str], None]]) -> bool:
+    """Two hops whenever a shard group spans whole nodes, unless turned off; asked for where it cannot apply,
+    ``warn`` (None: already warned) and the flat gather."""
+    layout = topology.layout
+    wanted = options.hierarchical_allgather
+    if wanted and not layout.hierarchical_possible and warn is not None:
+        warn(f"MiCSStrategy(hierarchical_allgather=True): a sharding group of {layout.shard_size} ranks "
+             + ("interleaves with tensor-parallel ranks" if layout.tp_size > 1 else
+                "sits inside one node" if not layout.spans_nodes else "does not span whole nodes")
+             + f" of {layout.ranks_per_node} ranks; using the flat all-gather.")
+    return layout.hierarchical_possible and wanted is not False
+
+
+# -- sharded <-> plain ----------------------------------------------------------------------------------------
+def shard(module: nn.Module, topology: Topology, options: MiCSOptions, device: torch.device,
+          optimizers: Sequence[torch.optim.Optimizer] = ()) -> MiCSEngine:
+    """The engine of ``module`` for these options: the existing one if the module is still sharded alike (after a
+    failed fit, or a model kept sharded), otherwise a new one (a module sharded otherwise is made plain first).
+    Each of ``optimizers`` (holding the module's plain parameters) is moved onto the shards with its state cut to
+    this rank's rows. Runs with inference mode off (a user's ``inference_mode`` must not make shards inference
+    tensors). Collective."""
+    previous = ENGINES.get(module)
+    if previous is not None and previous.topo is topology and previous.options == options \
+            and previous.device == device:
+        previous.reset()
+        return previous
+    with torch.inference_mode(False):
+        if previous is not None:
+            make_plain(previous, optimizers)
+        names = {id(p): n for n, p in module.named_parameters()}
+        states = [opt.state_dict() for opt in optimizers]
+        engine = MiCSEngine(module, topology, options, device)
+        ENGINES[module] = engine
+        shards = dict(module.named_parameters())
+        for opt, state in zip(optimizers, states):
+            for group in opt.param_groups:
+                group["params"] = [shards[names[id(p)]] for p in group["params"]]
+            opt.state.clear()
+            ckpt.load_full_optimizer_state(engine, opt, state)
+    return engine
+
+
+def make_plain(engine: MiCSEngine, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Full parameters back in the module, and each optimizer re-pointed at them with its consolidated
+    (full-shape) state, so module and optimizer are plain and consistent, as after DDP. Collective."""
+    with torch.inference_mode(False):
+        full_states = [ckpt.full_optimizer_state(engine, o, dst=None) for o in optimizers]
+        mapping = engine.restore_module()
+        for opt, state in zip(optimizers, full_states):
+            for group in opt.param_groups:
+                group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+            opt.state.clear()
+            opt.load_state_dict(state)
+    for module, e in list(ENGINES.items()):
+        if e is engine:
+            ENGINES.pop(module, None)
+
+
+def optimizers_of(module: nn.Module, optimizers: Iterable[Any]) -> List[torch.optim.Optimizer]:
+    """Those of ``optimizers`` (unwrapped) that hold only ``module``'s parameters."""
+    own = {id(p) for p in module.parameters()}
+    plain = [unwrap(o) for o in optimizers]
+    return [o for o in plain if all(id(p) in own for g in o.param_groups for p in g["params"])]
+
+
+def unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Lightning's or Fabric's wrapper."""
+    while hasattr(optimizer, "_optimizer"):
+        optimizer = optimizer._optimizer
+    return optimizer
+
+
+def engine_holding(optimizer: torch.optim.Optimizer) -> Optional[MiCSEngine]:
+    """The engine whose shards the optimizer holds (None: a plain optimizer). ValueError if it holds shards of
+    several modules (its state could not be keyed by one module's parameter names) or a mix."""
+    owners = {}
+    for e in list(ENGINES.values()):
+        ours = {id(p) for p in e.sharded_params()}
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if id(p) in ours:
+                    owners[id(p)] = e
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    engines = {id(e): e for e in owners.values()}
+    if not engines:
+        return None
+    if len(engines) > 1 or len(owners) != len(params):
+        raise ValueError("MiCSStrategy: an optimizer holds the parameters of several modules, or sharded and "
+                         "plain parameters together: allowed is one optimizer per set-up module (a GAN: one for "
+                         "the generator, one for the discriminator).")
+    return next(iter(engines.values()))
+
+
+def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where: str) -> None:
+    """Refuses an optimizer built over parameters that are not the sharded module's (built too early)."""
+    ours = {id(p) for p in engine.sharded_params()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in ours:
+                raise ValueError(
+                    "MiCSStrategy: an optimizer holds a parameter that is not one of the module's own "
+                    f"(shape {tuple(p.shape)}). {where}; parameters captured earlier (e.g. in __init__, or before "
+                    "the module was set up) are no longer the module's.")
+
+
+def log_model_state(engine: MiCSEngine, rank: int, log: logging.Logger) -> None:
+    """At start: the model-state bytes this rank will hold, against one unsharded copy."""
+    held = engine.model_state_bytes()["params"]
+    whole = sum(p.numel() * p.element_size() for p in engine.sharded_params())  # DTensor: global
+    mib = 2.0 ** 20
+    log.info(f"[rank {rank}] MiCS model state on this rank: parameters {held / mib:.2f} MiB "
+             f"({held / max(whole, 1):.2f}x of {whole / mib:.2f} MiB unsharded); gradients as much again "
+             "in the master dtype, and the optimizer's state k times that (AdamW: k = 2)")
+
+
+# -- clipping -------------------------------------------------------------------------------------------------
+def clip_norm(optimizer: Any, max_norm: float, topology: Topology, norm_type: float = 2.0) -> torch.Tensor:
+    """The total norm over the unsharded model's gradients, as ``torch.nn.utils.clip_grad_norm_`` gives it;
+    gradients scaled in place. Collective over the shard group."""
+    params = [p for g in unwrap(optimizer).param_groups for p in g["params"]]
+    return clip_grad_norm_(params, max_norm, topology.mesh, norm_type)
+
+
+@torch.no_grad()
+def clip_value(parameters: Iterable[torch.Tensor], clip_val: float) -> None:
+    """Elementwise: each rank clamps the gradient rows it holds (no collective)."""
+    from lightning_mics.placement import local
+
+    grads = [local(p.grad) for p in parameters if p.grad is not None]
+    for g in grads:
+        g.clamp_(-clip_val, clip_val)
+
+
+# -- teardown -------------------------------------------------------------------------------------------------
+def fits_whole(engine: MiCSEngine, options: MiCSOptions) -> bool:
+    numel = sum(p.numel() for p in engine.sharded_params())  # DTensor: the global count
+    return numel <= options.max_live_parameters and engine.topo.layout.tp_size == 1
+
+
+def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.optim.Optimizer],
+           failed: bool) -> bool:
+    """End of a run: a model that fits is made plain again (collective); a larger one, one with tensor
+    parallelism, or any after a failure (no collective: a peer may be gone) stays sharded with every unit
+    released. Returns True when it stays sharded (the engine stays, for checkpoints and state dicts)."""
+    if failed or not fits_whole(engine, options):
+        engine.reset()
+        return True
+    make_plain(engine, optimizers)
+    return False
+
+
+def release_unused(topology: Optional[Topology]) -> Optional[Topology]:
+    """Releases the mesh's groups if no engine uses it any more ([Note: one topology per layout]); returns the
+    topology still in use, or None."""
+    if topology is not None and not any(e.topo is topology for e in ENGINES.values()):
+        T.release(topology)
+        return None
+    return topology
