@@ -89,7 +89,7 @@ def build(case: str, cfg: GPTConfig):
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
         return fsdp2_shard(model, mesh), None
     from lightning_mics.config import MiCSConfig
-    from lightning_mics.runtime import MiCSEngine
+    from lightning_mics.engine import MiCSEngine
     from lightning_mics.topology import build_topology, plan_layout
 
     s = int(case.split("=")[1])

@@ -71,7 +71,7 @@ def build(name, cfg, mp_cfg):
         fully_shard(model, mesh=mesh)
         return model, None
     from lightning_mics.config import MiCSConfig
-    from lightning_mics.runtime import MiCSEngine
+    from lightning_mics.engine import MiCSEngine
     from lightning_mics.topology import build_topology, plan_layout
 
     topo = build_topology(plan_layout(world, cfg["s"], cfg["ranks_per_node"]), "cpu")

@@ -35,11 +35,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from lightning_mics import checkpoint_files as files
 from lightning_mics.checkpoint_files import CheckpointError, set_element
 from lightning_mics.placement import as_dtensor, is_sharded, local
-from lightning_mics.runtime import MiCSEngine, Scratch
+from lightning_mics.engine import MiCSEngine
+from lightning_mics.full_state import Scratch, gather_rows
 
 
 def _slots(engine: MiCSEngine) -> Dict[int, Any]:
-    return {id(p.sharded): p for u in engine.units for p in (*u.params, *u.replicated)}
+    return {id(p.sharded): p for u in engine.units for p in u.all_params()}
 
 
 @torch.no_grad()
@@ -75,7 +76,7 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
                     if is_sharded(v):
                         groups.setdefault((name, v.dtype), [None] * len(unit.params))[i] = local(v)
             for (name, dtype), locals_ in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-                fulls = unit.gather_rows(locals_, dtype, None if tp else dst, scratch)
+                fulls = gather_rows(unit, locals_, dtype, None if tp else dst, scratch)
                 for sp, f in zip(unit.params, fulls or ()):
                     if f is None:
                         continue
@@ -140,7 +141,7 @@ def load_full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimiz
 def _named(module: nn.Module, engine: Optional[MiCSEngine] = None) -> List[tuple]:
     """(name, parameter) for every name of every parameter, the optimizer's DTensor in place of the full twin the
     module holds while a unit is gathered (a save from inside a step)."""
-    shard_of = {id(p.full): p.sharded for u in engine.units for p in (*u.params, *u.replicated)} if engine else {}
+    shard_of = {id(p.full): p.sharded for u in engine.units for p in u.all_params()} if engine else {}
     return [(n, shard_of.get(id(p), p)) for n, p in module.named_parameters(remove_duplicate=False)]
 
 
@@ -158,7 +159,7 @@ def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[
     tensors the module holds at that moment."""
     sd = get_model_state_dict(module)
     if engine is not None:
-        shard_of = {id(p.full): p.sharded for u in engine.units for p in (*u.params, *u.replicated)}
+        shard_of = {id(p.full): p.sharded for u in engine.units for p in u.all_params()}
         for name, t in module.state_dict(keep_vars=True).items():
             if id(t) in shard_of:
                 sd[name] = shard_of[id(t)].detach()

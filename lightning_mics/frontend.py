@@ -47,7 +47,7 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics import topology as T
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSOptions
-from lightning_mics.runtime import MiCSEngine
+from lightning_mics.engine import MiCSEngine
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
 ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDictionary()

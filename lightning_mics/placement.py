@@ -150,7 +150,32 @@ class Rows:
         return self.hi - self.lo
 
 
-class ShardedParam:
+class _Placed:
+    """What a sharded and a replicated parameter share: the DTensor the optimizer steps (``sharded``, over
+    ``local``), its ``spec``, and this rank's part of a global tensor (``local_rows_of``)."""
+
+    sharded: nn.Parameter
+    local: Tensor
+    spec: DTensorSpec
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    def local_rows_of(self, full: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def copy_from_global(self, full: Tensor) -> None:
+        """This rank's part of a global tensor (e.g. from a full checkpoint) into the parameter."""
+        with torch.no_grad():
+            self.local.copy_(self.local_rows_of(full))
+
+    def wrap(self, local_tensor: Tensor) -> DTensor:
+        """A gradient or optimizer-state tensor of the local shape as a DTensor of this parameter's spec."""
+        return as_dtensor(local_tensor, self.spec)
+
+
+class ShardedParam(_Placed):
     """One sharded parameter: its padded region of the unit's flat shard, the DTensor the optimizer steps,
     and the full plain Parameter the modules hold while the unit is gathered."""
 
@@ -171,10 +196,6 @@ class ShardedParam:
         self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer): make_full
         self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
 
-    @property
-    def requires_grad(self) -> bool:
-        return self.sharded.requires_grad
-
     @torch.no_grad()
     def copy_rows_from_full(self, full: Tensor) -> None:
         """This rank's rows of a full tensor (of ``self.shape``: the tensor-parallel part) into the shard
@@ -185,22 +206,14 @@ class ShardedParam:
         """This rank's rows of a global tensor (of ``self.global_shape``, e.g. from a full checkpoint)."""
         return tp_part(full, self.tp_spec)[self.rows.lo:self.rows.hi]
 
-    def copy_from_global(self, full: Tensor) -> None:
-        with torch.no_grad():
-            self.local.copy_(self.local_rows_of(full))
-
     def make_full(self, view: Tensor) -> nn.Parameter:
         """The Parameter the modules hold while the unit runs: ``view`` itself, or with tensor parallelism a
         DTensor over it with the user's placement."""
         data = as_dtensor(view, self.tp_spec) if self.tp_spec is not None else view
         return nn.Parameter(data, requires_grad=self.requires_grad)
 
-    def wrap(self, local_tensor: Tensor) -> DTensor:
-        """A gradient or optimizer-state tensor of the local shape as a DTensor of this parameter's spec."""
-        return as_dtensor(local_tensor, self.spec)
 
-
-class ReplicatedParam:
+class ReplicatedParam(_Placed):
     """One replicated parameter: a (Replicate, Replicate) DTensor and its plain twin over the same storage."""
 
     def __init__(self, index: int, refs: List[ParamRef], orig: nn.Parameter, mesh: DeviceMesh,
@@ -222,17 +235,6 @@ class ReplicatedParam:
         self.full = nn.Parameter(as_dtensor(data, self.tp_spec) if self.tp_spec is not None else data,
                                  requires_grad=orig.requires_grad)
 
-    @property
-    def requires_grad(self) -> bool:
-        return self.sharded.requires_grad
-
     def local_rows_of(self, full: Tensor) -> Tensor:
         """This rank's part of a global tensor: the tensor-parallel part, or the whole tensor."""
         return tp_part(full, self.tp_spec)
-
-    def copy_from_global(self, full: Tensor) -> None:
-        with torch.no_grad():
-            self.local.copy_(self.local_rows_of(full))
-
-    def wrap(self, local_tensor: Tensor) -> DTensor:
-        return as_dtensor(local_tensor, self.spec)

@@ -1,4 +1,6 @@
-"""The communication schedule: which units to all-gather ahead of time, and how much may be gathered at once.
+"""The communication schedule: every decision about which units are gathered ahead of time, kept or released,
+and how much may be gathered at once. The units carry the decisions out (unit.py); the hooks tell the schedule
+when something happens (hooks.py).
 
 [Note: prefetch]
 An *iteration* starts when the root unit is entered from outside any forward. Each pass records the order in
@@ -32,14 +34,13 @@ in backward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional
+from typing import List, Optional
 
-if TYPE_CHECKING:
-    from lightning_mics.runtime import Unit
+from lightning_mics.unit import ShardedState, Unit
 
 
 class Schedule:
-    def __init__(self, units: List["Unit"], prefetch: int, max_live: int, keep_for_backward: bool,
+    def __init__(self, units: List[Unit], prefetch: int, max_live: int, keep_for_backward: bool,
                  reshard_after_forward: bool = True) -> None:
         self.units = units
         self.root = units[0]
@@ -47,10 +48,10 @@ class Schedule:
         self.max_live = max_live
         self.keep_for_backward = keep_for_backward
         self.reshard_after_forward = reshard_after_forward
-        self.forward_order: List["Unit"] = []
-        self.backward_order: List["Unit"] = []
-        self._forward_seen: List["Unit"] = []
-        self._backward_seen: List["Unit"] = []
+        self.forward_order: List[Unit] = []
+        self.backward_order: List[Unit] = []
+        self._forward_seen: List[Unit] = []
+        self._backward_seen: List[Unit] = []
         self._forward_valid = False
         self._backward_valid = False
 
@@ -58,7 +59,7 @@ class Schedule:
     def live(self) -> int:
         return sum(u.full_numel for u in self.units if u.is_live)
 
-    def make_room(self, unit: "Unit") -> None:
+    def make_room(self, unit: Unit) -> None:
         """Before ``unit`` is gathered to run: release idle gathered units while it would exceed the cap."""
         need = 0 if unit.is_live else unit.full_numel
         if self.live() + need <= self.max_live:
@@ -68,12 +69,12 @@ class Schedule:
             if self.live() + need <= self.max_live:
                 return
 
-    def _eviction_order(self, unit: "Unit") -> List["Unit"]:
+    def _eviction_order(self, unit: Unit) -> List[Unit]:
         idle = [u for u in self.units if u is not unit and u.is_live and not u.in_use]
         # prefetched-but-not-started last: they are the ones needed soonest
         return sorted(idle, key=lambda u: u.is_prefetched)
 
-    def _try_prefetch(self, unit: "Unit") -> None:
+    def _try_prefetch(self, unit: Unit) -> None:
         if unit.is_live or not unit.full_numel:
             return
         if self.live() + unit.full_numel > self.max_live:
@@ -82,13 +83,17 @@ class Schedule:
 
     # -- passes ---------------------------------------------------------------------------------------
     def begin_iteration(self) -> None:
-        """The root is entered from outside any forward: a new forward pass starts."""
+        """The root is entered from outside any forward: a new forward pass starts; what a forward without
+        backward left gathered (other than units still running) is released."""
+        for unit in self.units:
+            if unit.depth == 0 and unit is not self.root:
+                unit.release()
         if self._forward_seen:
             self.forward_order = self._forward_seen
         self._forward_seen = []
         self._forward_valid = bool(self.forward_order)
 
-    def on_forward(self, unit: "Unit") -> None:
+    def on_forward(self, unit: Unit) -> None:
         pos = len(self._forward_seen)
         self._forward_seen.append(unit)
         order = self.forward_order
@@ -99,7 +104,7 @@ class Schedule:
             for nxt in order[pos + 1: pos + 1 + self.prefetch]:
                 self._try_prefetch(nxt)
 
-    def on_backward(self, unit: "Unit") -> None:
+    def on_backward(self, unit: Unit) -> None:
         """First pre-backward hook of ``unit`` in this backward pass."""
         if not self._backward_seen:
             self._backward_valid = bool(self.backward_order)
@@ -118,7 +123,13 @@ class Schedule:
             self.backward_order = self._backward_seen
         self._backward_seen = []
 
-    def keep_after_forward(self, unit: "Unit") -> bool:
+    def gather_for_recompute(self, unit: Unit) -> None:
+        """A forward inside backward (activation checkpointing's recomputation): the unit runs again."""
+        if not unit.is_live:
+            self.make_room(unit)
+        unit.finish_gather()
+
+    def keep_after_forward(self, unit: Unit) -> bool:
         """[Note: keep for backward]."""
         if not self.reshard_after_forward:
             return True
@@ -126,5 +137,41 @@ class Schedule:
             return False
         if unit is self.root:
             return True
-        last: Optional["Unit"] = next((u for u in reversed(self.forward_order) if u is not self.root), None)
+        last: Optional[Unit] = next((u for u in reversed(self.forward_order) if u is not self.root), None)
         return unit is last
+
+    def after_forward(self, unit: Unit, grad: bool) -> None:
+        """The outermost forward call of ``unit`` returned: released unless kept for backward; after the root's
+        forward without grad (evaluation) no backward follows, so nothing prefetched may linger."""
+        if not (grad and self.keep_after_forward(unit)):
+            unit.release()
+        if unit is self.root and not grad:
+            self.quiesce(pinned=False)
+
+    def releases_after_backward(self, unit: Unit, boundary: bool) -> bool:
+        """Whether ``unit`` is released once its backward is done (``boundary``: this backward ends an
+        accumulation window)."""
+        if unit.depth > 0 or unit.pinned:  # backward inside the unit's own forward (manual optimization)
+            return False
+        # [Note: keep for backward]: the next micro-batch of this window needs the root first
+        return not (unit is self.root and not boundary and self.keep_for_backward)
+
+    def after_backward(self, unit: Unit, boundary: bool) -> None:
+        if self.releases_after_backward(unit, boundary):
+            unit.release()
+
+    def quiesce(self, pinned: bool = True) -> None:
+        """Releases every unit that is not running (waiting for its prefetch): before a state dict or a save,
+        so the modules hold their DTensor masters, and after a pass without grad, so no gather lingers
+        (``pinned=False``: pinned units stay, as between training steps)."""
+        for unit in self.units:
+            if not unit.in_use:
+                unit.release(force=pinned)
+
+    def after_optimizer_step(self) -> None:
+        """Post-step hook of every optimizer: units still in use get the new values; idle ones are released."""
+        for unit in self.units:
+            if unit.state is ShardedState.GATHERED and (unit.depth > 0 or unit.pinned):
+                unit.refresh()
+            else:
+                unit.release()

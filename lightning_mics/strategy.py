@@ -41,7 +41,7 @@ from lightning_mics import strategy_checkpoint as sc
 from lightning_mics.config import MiCSOptions, config_from, with_options_signature
 from lightning_mics.precision import to_mics_precision
 from lightning_mics.materialize import has_meta
-from lightning_mics.runtime import MiCSEngine
+from lightning_mics.engine import MiCSEngine
 from lightning_mics.sharding import resolve_classes
 from lightning_mics.topology import Topology
 

@@ -155,7 +155,7 @@ def test_replicated_gradients_are_reduced_in_buckets_during_backward(tmp_path):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, precision):
-    """[Note: staging in place] in runtime.py: a unit released after its reduce-scatter lays the input out in
+    """[Note: staging in place] in gradients.py: a unit released after its reduce-scatter lays the input out in
     its own full-parameter storage, which is freed once the collective is done; the root, kept gathered inside
     the accumulation window, stages elsewhere until the boundary. Under bf16-mixed the fp32 input does not fit
     the bf16 storage: every unit stages in a buffer of its own. The result equals one plain process."""
@@ -179,7 +179,7 @@ def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, preci
 
 
 def test_replica_all_reduce_starts_during_the_boundary_backward(tmp_path):
-    """[Note: replica sync overlap] in runtime.py: in the boundary micro-batch a unit's replica all-reduce is
+    """[Note: replica sync overlap] in gradients.py: in the boundary micro-batch a unit's replica all-reduce is
     issued as soon as its reduce-scatter is done, before the backward's last reduce-scatter, in the fixed order
     reversed(units) on every rank; the micro-batches before the boundary issue none."""
     accum = 2

@@ -202,7 +202,7 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             entry["bytes"] += nbytes * calls
             entry["calls"] += calls
 
-    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding] in runtime.py
+    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding] in gradients.py
         root = units[0]
         if root.sharded and W > 1:
             for b in _unit_buckets(root, st):
@@ -300,7 +300,7 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     largest = max(units, key=lambda u: u.shard_numel)
     group = _layout_units(spec.units, st, s)[1]  # the shard group's size (all W ranks with shard_optimizer_state)
     # the reduce-scatter input lies in the unit's own storage when it fits and the unit is released after it
-    # ([Note: staging in place] in runtime.py); the root inside an accumulation window, or pinned, stages apart
+    # ([Note: staging in place] in gradients.py); the root inside an accumulation window, or pinned, stages apart
     in_place = reduce <= gathered and not (largest is units[0] and (st.accumulation > 1 or st.shard_optimizer_state))
     buffers = group * largest.shard_numel * (gathered + (0 if in_place else reduce)) if group > 1 else 0
     links = {k: 0 for k in LINKS}

@@ -277,7 +277,7 @@ def run_variant(args, variant, world, rank, train, val, ref, save_to=None):
                 rp.local.numel() * rp.local.element_size() * (1 + (per_trainable if rp.requires_grad else 0))
                 for rp in eng.replicated)
             state_bytes["plain"] = plain_bytes
-            state_bytes["n_buckets"] = sum(len(u.buckets(u.trainable())) for u in eng.units)
+            state_bytes["n_buckets"] = sum(len(eng.grads.of(u).buckets(u.trainable())) for u in eng.units)
             state_bytes["n_units"] = sum(1 for u in eng.units if u.full_numel)
             state_bytes["unit_numels"] = [u.full_numel for u in eng.units]
 

@@ -1,5 +1,5 @@
 """One rank: the replica all-reduce of a unit's accumulator, issued early, with a reduction that finishes after
-it was issued ([Note: replica sync overlap] in runtime.py). The late part goes to a second buffer all-reduced at
+it was issued ([Note: replica sync overlap] in gradients.py). The late part goes to a second buffer all-reduced at
 the end; the result must equal one all-reduce of the sum, for contiguous and non-contiguous buckets."""
 
 import json
@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from lightning_mics.config import MiCSConfig  # noqa: E402
-from lightning_mics.runtime import MiCSEngine  # noqa: E402
+from lightning_mics.engine import MiCSEngine  # noqa: E402
 from lightning_mics.topology import build_topology, plan_layout  # noqa: E402
 
 
@@ -39,31 +39,32 @@ def main() -> None:
         for k, unit in enumerate(engine.units):
             if not unit.trainable():
                 continue
+            grads = engine.grads.of(unit)
             n = unit.shard_flat.numel()
             g = torch.Generator().manual_seed(100 * rank + k)
             first, late = torch.randn(n, generator=g), torch.randn(n, generator=g)
             expected = first + late
             dist.all_reduce(expected, group=topo.replica_group)
-            unit.accum = first.clone()
-            unit.issue_replica_sync()
-            assert unit.replica_issued
-            for bucket in unit.buckets(unit.trainable()):  # reductions finishing after the issue
+            grads.accum = first.clone()
+            grads.issue_replica_sync()
+            assert grads.replica_issued
+            for bucket in grads.buckets(unit.trainable()):  # reductions finishing after the issue
                 if bucket.lo >= 0:
-                    unit._accumulate(bucket, late[bucket.lo:bucket.hi])
+                    grads._accumulate(bucket, late[bucket.lo:bucket.hi])
                 else:
-                    regions = unit._regions(bucket, late)
-                    unit._accumulate(bucket, torch.cat(regions))
-            unit.finish_replica_sync()
+                    regions = grads._regions(bucket, late)
+                    grads._accumulate(bucket, torch.cat(regions))
+            grads.finish_replica_sync()
             mask = torch.zeros(n, dtype=torch.bool)  # only the trainable parameters' regions are synced
             for i in unit.trainable():
                 sp = unit.params[i]
                 mask[sp.offset:sp.offset + sp.rows.padded_numel] = True
-            err = (unit.accum - expected)[mask].abs().max().item()
-            nonconsecutive = any(b.lo < 0 for b in unit.buckets(unit.trainable()))
+            err = (grads.accum - expected)[mask].abs().max().item()
+            nonconsecutive = any(b.lo < 0 for b in grads.buckets(unit.trainable()))
             results.append({"bucket_size": bucket_size, "unit": unit.path, "err": err,
-                            "late_left": unit.late is not None, "issued": unit.replica_issued,
+                            "late_left": grads.late is not None, "issued": grads.replica_issued,
                             "nonconsecutive": nonconsecutive})
-            unit.accum = None
+            grads.accum = None
         engine.remove_hooks()
         engine.restore_module()
     out = Path(sys.argv[sys.argv.index("--out") + 1]) / f"result{rank}.json"

@@ -1,5 +1,5 @@
 """One rank of a fit that records where every reduce-scatter's input lies ([Note: staging in place] in
-runtime.py): in the full-parameter storage of the unit being released, or in a buffer of its own (the root
+gradients.py): in the full-parameter storage of the unit being released, or in a buffer of its own (the root
 kept gathered inside an accumulation window). Also records, after every batch, which units still hold their
 full storage, and (rank 0) compares the parameters with one plain process on the same global batches."""
 

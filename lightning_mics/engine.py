@@ -1,0 +1,195 @@
+"""MiCSEngine: the front that shards a module in place and offers the entry points the strategy uses.
+
+It builds the parts and wires them; each holds one concept (ARCHITECTURE.md gives the data flow):
+``unit.py`` (one unit's memory and state machine), ``schedule.py`` (which units are gathered, kept, released),
+``gradients.py`` (a gradient's path to the optimizer's shard), ``hooks.py`` (the module and autograd hooks
+that drive them, [Note: one optimizer step]), ``full_state.py`` (full tensors from the shards and back).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from lightning_mics import full_state
+from lightning_mics.activations import ActivationCheckpointing, plan_groups
+from lightning_mics.config import MiCSOptions
+from lightning_mics.hooks import Hooks
+from lightning_mics.materialize import has_meta, materialize
+from lightning_mics.placement import ReplicatedParam, local
+from lightning_mics.replicated import ReplicatedReducer
+from lightning_mics.gradients import GradientPath
+from lightning_mics.schedule import Schedule
+from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
+from lightning_mics.telemetry import CommLog
+from lightning_mics.topology import Topology
+from lightning_mics.unit import Unit
+
+
+class MiCSEngine:
+    """Shards a module in place and drives the hooks of all its units ([Note: one optimizer step] in hooks.py)."""
+
+    def __init__(self, root: nn.Module, topo: Topology, options: MiCSOptions, device: torch.device,
+                 keep_for_backward: bool = True) -> None:
+        """``options``: resolved (``MiCSOptions.resolved``: dtypes and the gather's hops decided)."""
+        self.root, self.topo, self.kernels, self.options = root, topo, options.kernels, options
+        shard_units, persistence_threshold = options.shard_units, options.param_persistence_threshold
+        bucket_size, param_dtype, reduce_dtype = options.reduce_bucket_size, options.param_dtype, options.reduce_dtype
+        kernels, prefetch, max_live_parameters = options.kernels, options.prefetch, options.max_live_parameters
+        hierarchical, activation_checkpointing = options.hierarchical_allgather, options.activation_checkpointing
+        checkpoint_group_size, activation_offload = options.checkpoint_group_size, options.activation_offload
+        reshard_after_forward, optimizer_state_only = options.reshard_after_forward, options.shard_optimizer_state
+        self.log = CommLog()
+        self.optimizer_state_only = optimizer_state_only
+        # [Note: optimizer-state-only sharding] in gradients.py: one unit (the root) holds every parameter
+        classes = () if optimizer_state_only else resolve_classes(shard_units, "shard_units")
+        groups = plan_groups(root, activation_checkpointing, checkpoint_group_size) \
+            if activation_checkpointing else None  # validated before anything changes in the module
+        plan = plan_sharding(root, classes, persistence_threshold, topo.layout.shard_size)
+        on_meta = has_meta(root)  # before the units replace the parameters with their (allocated) shards
+        nodes = topo.node_groups() if hierarchical else None
+        self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, kernels=kernels,
+                           log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only)
+                      for up in plan.units]
+        self.device = device
+        by_param = {id(rp.full): rp for rp in self.replicated}
+        order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
+        # the default group as None, looked up per call: holding it would keep it alive after a lone failure
+        # ([Note: a lone failure] in reliability.py); with t > 1 the data-parallel group, which the mesh holds
+        dp_group = topo.dp_group if topo.layout.tp_size > 1 else None
+        reducer = ReplicatedReducer(order, dp_group, topo.layout.dp_size, bucket_size, device, self.log,
+                                    group_name="world" if topo.layout.tp_size == 1 else "dp")
+        if on_meta:  # [Note: sharded initialization] in materialize.py
+            materialize(root, {(id(r.module), r.attr): p for u in self.units for p in u.all_params()
+                               for r in p.refs}, device)
+        self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
+                                 reshard_after_forward)
+        self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only)
+        self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
+                           self.schedule, self.grads)
+        # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
+        self.activations = ActivationCheckpointing(groups, activation_offload, self.log) if groups else None
+
+    def _entry_modules(self, unit: Unit, plan: UnitPlan) -> List[nn.Module]:
+        """Where a unit is entered: its module; for the root also every module holding a root parameter,
+        so that the module works wherever user code calls it (hooks, callbacks, ``pl_module.model(x)``)."""
+        if unit is not self.units[0]:
+            return [unit.module]
+        refs = plan.ref_modules
+        names = {id(m): n for n, m in self.root.named_modules()}
+        paths = [names[id(m)].split(".") if names.get(id(m)) else [] for m in refs]
+        common: List[str] = []
+        for level in zip(*paths) if paths else []:
+            if len(set(level)) != 1:
+                break
+            common.append(level[0])
+        modules = [unit.module, self.root.get_submodule(".".join(common)) if common else self.root, *refs]
+        out, seen = [], set()
+        for m in modules:
+            if id(m) not in seen:
+                seen.add(id(m))
+                out.append(m)
+        return out
+
+    def _plain_parameters(self) -> List[Tensor]:
+        """The full (plain) parameters in the module's registration order."""
+        at = {(id(r.module), r.attr): p.full for u in self.units for p in u.all_params() for r in p.refs}
+        out, seen = [], set()
+        for module in self.root.modules():
+            for name in module._parameters:
+                full = at.get((id(module), name))
+                if full is not None and id(full) not in seen:
+                    seen.add(id(full))
+                    out.append(full)
+        return out
+
+    # -- parameters as the optimizer sees them ------------------------------------------------------------
+    def sharded_params(self) -> List[nn.Parameter]:
+        return [p.sharded for u in self.units for p in u.all_params()]
+
+    @property
+    def replicated(self) -> List[ReplicatedParam]:
+        return [rp for u in self.units for rp in u.replicated]
+
+    @property
+    def sync_replicas(self) -> bool:
+        """Whether this backward ends an accumulation window (False inside Lightning's block_backward_sync)."""
+        return self.grads.sync_replicas
+
+    @sync_replicas.setter
+    def sync_replicas(self, value: bool) -> None:
+        self.grads.sync_replicas = value
+
+    # -- entry points -----------------------------------------------------------------------------------
+    def quiesce(self, pinned: bool = True) -> None:
+        """[``Schedule.quiesce``]: every unit not running released (``pinned``: pinned ones too)."""
+        self.schedule.quiesce(pinned)
+
+    def after_optimizer_step(self) -> None:
+        """Post-step hook of every optimizer ([``Schedule.after_optimizer_step``])."""
+        self.schedule.after_optimizer_step()
+
+    def sync(self) -> None:
+        """MiCS 2-hop sync at an accumulation boundary ([``GradientPath.sync``])."""
+        self.grads.sync()
+
+    def full_state_dict(self, dst: Optional[int] = 0) -> Dict[str, Tensor]:
+        """The module's full state dict on global rank ``dst`` ({} elsewhere; ``None``: every rank). Collective."""
+        self.quiesce()
+        return full_state.full_state_dict(self.units, self.topo, self.root, dst)
+
+    def load_full_state_dict(self, state: Dict[str, Tensor], strict: bool = True) -> None:
+        full_state.load_full_state_dict(self.units, self.root, state, self.device, strict)
+
+    def restore_module(self) -> Dict[int, nn.Parameter]:
+        """Removes the hooks and puts full, plain parameters (master dtype) back into the modules, unit by
+        unit. Collective. Returns ``{id(DTensor parameter): plain parameter}`` for re-pointing optimizers."""
+        self.remove_hooks()
+        return full_state.restore_module(self.units)
+
+    def remove_hooks(self) -> None:
+        self.hooks.remove()
+        if self.activations is not None:
+            self.activations.remove()
+
+    def reset(self) -> None:
+        """After an exception: every unit back to SHARDED locally, no collective (peers may be gone)."""
+        self.grads.reset()
+        self.hooks.reset()
+        for unit in self.units:
+            unit.drop()
+        for rp in self.replicated:
+            rp.full.grad = None
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    def model_state_bytes(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state (no transient buffers),
+        counted from storages: each storage once, whatever views alias it."""
+        seen: set = set()
+
+        def nbytes(t: Optional[Tensor]) -> int:
+            if t is None:
+                return 0
+            t = local(t)
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key in seen or st.nbytes() == 0:
+                return 0
+            seen.add(key)
+            return st.nbytes()
+
+        params = sum(nbytes(u.shard_flat) for u in self.units) + sum(nbytes(rp.local) for rp in self.replicated)
+        params += sum(nbytes(u.full_flat) for u in self.units if u.pinned)  # whole on every rank, kept
+        grads = 0
+        for u in self.units:
+            grads += nbytes(self.grads.of(u).accum)
+            grads += sum(nbytes(p.sharded.grad) for p in u.all_params())
+            grads += sum(nbytes(rp.full.grad) for rp in u.replicated)
+        opt = 0
+        for o in optimizers:
+            for st in o.state.values():
+                opt += sum(nbytes(v) for v in st.values() if isinstance(v, Tensor) and v.dim() > 0)
+        return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}

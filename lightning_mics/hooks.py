@@ -1,0 +1,182 @@
+"""The module and autograd hooks: they tell the schedule, the units and the gradient path what happens, and
+decide nothing themselves (FSDP2's ``FSDPState`` role).
+
+[Note: one optimizer step]
+forward, unit by unit:  the outermost entry into a unit (its module, or for the root any module holding a root
+                        parameter) finishes its all-gather (issued earlier by a prefetch, or now), swaps the full
+                        parameters into the modules and prefetches the next units ([Note: prefetch] in
+                        schedule.py); when the last nested call returns, the unit is released (or kept for
+                        backward) and hooks its outputs for backward.
+backward, reverse:      a hook on the unit's outputs gathers it again; the unit's gradients are complete when an
+                        autograd function on its inputs fires (or, for a unit whose inputs need no gradient, when
+                        every trainable parameter's gradient has been accumulated): they are reduce-scattered in
+                        the shard group (async) into the unit's accumulator and the unit is released
+                        (gradients.py).
+end of backward:        a callback on the autograd engine reduces what is left, then, only at an accumulation
+                        boundary (Lightning's block_backward_sync marks the others), all-reduces the accumulators
+                        across the replica group (MiCS 2-hop sync) and the replicated parameters' gradients
+                        across the world, and adds the result to the DTensor parameters' ``.grad`` (added, as
+                        plain PyTorch does, when the user has not zeroed them).
+optimizer step:         the user's optimizer steps the DTensor shards ([Note: placement] in placement.py); a
+                        post-step hook refreshes any unit that is still gathered (manual optimization steps inside
+                        the root's forward) and drops stale prefetches (``Schedule.after_optimizer_step``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_mics.gradients import GradientPath
+from lightning_mics.placement import ReplicatedParam
+from lightning_mics.schedule import Schedule
+from lightning_mics.unit import Unit, in_backward
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's own backward is complete."""
+
+    @staticmethod
+    def forward(ctx, hook, *inputs):  # type: ignore[override]
+        ctx.hook = hook
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        ctx.hook()
+        return (None,) + grads
+
+
+class Hooks:
+    """Registers the hooks of every unit on its entry modules ([Note: one optimizer step]) and removes them."""
+
+    def __init__(self, units: List[Unit], entries: Sequence[List[nn.Module]], schedule: Schedule,
+                 grads: GradientPath) -> None:
+        self.units, self.root = units, units[0]
+        self.schedule, self.grads = schedule, grads
+        self._callback_queued = False
+        self._handles: List[Any] = []
+        for unit, modules in zip(units, entries):
+            for module in modules:
+                self._handles.append(module.register_forward_pre_hook(
+                    self._make_pre_forward(unit), with_kwargs=True, prepend=True))
+                self._handles.append(module.register_forward_hook(
+                    self._make_post_forward(unit), with_kwargs=True, always_call=True))
+            unit.on_accumulated = self._make_accumulated(unit)
+            unit.on_replicated = self._replicated_ready
+
+    # -- forward ----------------------------------------------------------------------------------------
+    def _make_pre_forward(self, unit: Unit) -> Callable:
+        def hook(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
+            if in_backward():  # recomputation inside backward (activation checkpointing): gather if released
+                self.schedule.gather_for_recompute(unit)
+                return args, kwargs
+            if not unit.enter_forward():
+                return args, kwargs
+            if unit is self.root:
+                self._begin_iteration()
+            self.schedule.on_forward(unit)
+            unit.finish_gather()
+            unit.begin_forward()
+            if not torch.is_grad_enabled():
+                return args, kwargs
+            flat, spec = tree_flatten((args, kwargs))
+            idx = [i for i, t in enumerate(flat) if isinstance(t, Tensor) and t.requires_grad]
+            if idx:
+                unit.expect_post_backward()
+                outs = _PostBackward.apply(lambda: self._post_backward(unit), *(flat[i] for i in idx))
+                for i, t in zip(idx, outs):
+                    flat[i] = t
+                args, kwargs = tree_unflatten(flat, spec)
+            return args, kwargs
+        return hook
+
+    def _make_post_forward(self, unit: Unit) -> Callable:
+        def hook(module: nn.Module, args: Tuple, kwargs: Dict, output: Any) -> Any:
+            if in_backward() or not unit.exit_forward():
+                return output
+            grad = torch.is_grad_enabled()
+            self.schedule.after_forward(unit, grad)
+            if grad and output is not None:
+                flat, _ = tree_flatten(output)
+                for t in flat:
+                    if isinstance(t, Tensor) and t.requires_grad:
+                        t.register_hook(self._make_pre_backward(unit))
+            return output
+        return hook
+
+    def _begin_iteration(self) -> None:
+        """The root is entered from outside any forward: forget what a forward without backward left."""
+        for unit in self.units:
+            unit.clear_counters()
+        self.schedule.begin_iteration()
+
+    # -- backward ---------------------------------------------------------------------------------------
+    def _make_pre_backward(self, unit: Unit) -> Callable:
+        def hook(grad: Tensor) -> Tensor:
+            self._queue_end_of_backward()
+            if unit.begin_backward():
+                self.schedule.on_backward(unit)
+            unit.finish_gather()
+            self.grads.mark(unit)
+            return grad
+        return hook
+
+    def _make_accumulated(self, unit: Unit) -> Callable:
+        def hook(param: Tensor) -> None:
+            self._queue_end_of_backward()
+            self.grads.mark(unit)
+            # a unit whose inputs needed no gradient has no post-backward: ``Unit.grad_accumulated``
+            if unit.grad_accumulated() and self.grads.reduce_now():
+                self._backward_done(unit)
+        return hook
+
+    def _replicated_ready(self, rp: ReplicatedParam) -> None:
+        self._queue_end_of_backward()
+        self.grads.replicated_ready(rp)
+
+    def _post_backward(self, unit: Unit) -> None:
+        if unit.post_backward_fired():
+            self._backward_done(unit)
+
+    def _backward_done(self, unit: Unit) -> None:
+        """The unit's backward is complete: its gradients are reduced, then it is released if the schedule
+        says so."""
+        boundary = self.grads.sync_replicas
+        if self.grads.needs_reduce(unit) and self.grads.reduce_now():
+            self.grads.reduce(unit, releasing=self.schedule.releases_after_backward(unit, boundary))
+        self.schedule.after_backward(unit, boundary)
+        unit.finish_backward()
+
+    def _queue_end_of_backward(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        boundary = self.grads.sync_replicas
+        for unit in reversed(self.units):  # same order on every rank
+            self.grads.end_of_backward(unit, releasing=self.schedule.releases_after_backward(unit, boundary))
+            self.schedule.after_backward(unit, boundary)
+            unit.end_backward()
+        self.grads.drain()
+        self.schedule.end_backward()
+        if boundary:
+            self.grads.sync()
+
+    # -- teardown ---------------------------------------------------------------------------------------
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for unit in self.units:
+            unit.remove_hooks()
+
+    def reset(self) -> None:
+        """After an exception: no end-of-backward callback is pending any more."""
+        self._callback_queued = False

@@ -1,0 +1,324 @@
+"""One unit: its memory (the flat shard and the full parameters), its gather/release state machine, swapping its
+parameters into the modules, and its own training state (as FSDP2's ``FSDPParamGroup``).
+
+[Note: unit lifecycle]
+``ShardedState``: SHARDED -> GATHERING (all-gather issued) -> GATHERED (copied out, full parameters in the
+modules) -> SHARDED. ``TrainingState``: IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE.
+``depth`` counts nested forward calls into the unit; only the outermost one gathers, hooks the backward and
+releases. Whether autograd is running comes from autograd itself (``_current_graph_task_id``): a forward that
+runs inside backward (activation checkpointing's recomputation) finds its unit gathered by the pre-backward
+hook and neither counts nor releases. Manual optimization runs backward and ``optimizer.step`` inside the
+root's forward: the end-of-backward callback reduces the root without releasing it (depth > 0), and the
+post-step hook refreshes it. Which unit is gathered, kept or released when is decided in schedule.py; the
+unit only carries the transitions out.
+
+[Note: version counters]
+Autograd saves the full parameters for backward. Between forward and backward their storage is freed and then
+refilled by the re-gather, an in-place write that would bump the version counter and make autograd refuse the
+saved tensors; the refill restores the counter, as FSDP2 does, because the values are the same. The refresh
+after an optimizer step does bump it: the values changed, and a graph built before the step must fail as it
+would in plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_mics import collectives as C
+from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
+from lightning_mics.sharding import UnitPlan
+from lightning_mics.telemetry import CommLog
+from lightning_mics.topology import Topology
+
+AnyParam = Union[ShardedParam, ReplicatedParam]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"  # only the local flat shard exists
+    GATHERING = "gathering"  # all-gather issued, not yet copied out
+    GATHERED = "gathered"  # full parameters are swapped into the modules
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is executing a backward pass on this thread (as FSDP2 asks it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Unit:
+    """One gather/release unit: its flat shard, full parameters, replicated parameters and training state."""
+
+    def __init__(self, plan: UnitPlan, topo: Topology, *, param_dtype: Optional[torch.dtype],
+                 reduce_dtype: torch.dtype, kernels: str, log: CommLog, device: torch.device,
+                 nodes: Optional[C.NodeGroups] = None, pinned: bool = False) -> None:
+        self.path = plan.path or "<root>"
+        self.module = plan.module
+        self.topo, self.kernels, self.log = topo, kernels, log
+        self.s = topo.layout.shard_size
+        self.nodes = nodes  # two-hop all-gather groups, or None: flat
+        dtypes = {pp.param.dtype for pp in plan.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"unit {self.path!r} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "MiCSStrategy needs one dtype per unit (see the shard_units option)")
+        self.dtype = dtypes.pop() if dtypes else torch.get_default_dtype()
+        self.param_dtype = param_dtype or self.dtype
+        self.reduce_dtype = reduce_dtype
+        self.device = device
+
+        # Sharded parameters: padded regions of one flat shard (the optimizer's DTensors are views into it).
+        tp_locals = [local(pp.param) for pp in plan.params]  # [Note: tensor-parallel placement] in placement.py
+        rows = [Rows(t.shape[0], t[0].numel() if t.shape[0] else 0, self.s, topo.shard_rank) for t in tp_locals]
+        offsets = [0]
+        for r in rows:
+            offsets.append(offsets[-1] + r.padded_numel)
+        self.shard_flat = torch.zeros(offsets[-1], dtype=self.dtype, device=device)
+        self.params: List[ShardedParam] = []
+        for i, (pp, r) in enumerate(zip(plan.params, rows)):
+            sp = ShardedParam(i, pp.refs, pp.param, topo.mesh, r, self.shard_flat, offsets[i])
+            if not sp.meta:
+                sp.copy_rows_from_full(tp_locals[i].detach())
+            self.params.append(sp)
+
+        # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
+        numels = [math.prod(sp.shape) for sp in self.params]
+        self.full_numel = sum(numels)
+        self.full_flat = torch.empty(self.full_numel, dtype=self.param_dtype, device=device)
+        self._full_nbytes = self.full_flat.untyped_storage().nbytes()
+        # [Note: staging in place] in gradients.py: room for the reduce-scatter input of the whole unit
+        staging_nbytes = self.s * self.shard_flat.numel() * reduce_dtype.itemsize
+        self.stage_in_full = self.s > 1 and reduce_dtype.itemsize <= self.param_dtype.itemsize
+        self._gathered_nbytes = max(self._full_nbytes, staging_nbytes) if self.stage_in_full else self._full_nbytes
+        self._reading_full: List[dist.Work] = []  # reduce-scatters whose input lies in the full storage
+        self.full_views: List[Tensor] = []
+        start = 0
+        for sp, n in zip(self.params, numels):
+            view = self.full_flat[start:start + n].view(sp.shape)
+            self.full_views.append(view)
+            sp.full = sp.make_full(view)
+            start += n
+        self.full_flat.untyped_storage().resize_(0)
+
+        self.replicated: List[ReplicatedParam] = [
+            ReplicatedParam(i, pp.refs, pp.param, topo.mesh, device) for i, pp in enumerate(plan.replicated)]
+
+        self.state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.is_prefetched = False  # issued by the schedule, not yet run
+        self.pinned = pinned  # gathered once and kept ([Note: optimizer-state-only sharding] in gradients.py)
+        self.depth = 0  # nested forward calls in progress
+        self.pending_post_backward = 0  # forward calls whose post-backward has not fired
+        self.registered_post_backward = 0  # forward calls (this iteration) that hooked their inputs
+        self.accumulated = 0  # trainable full parameters whose gradient autograd accumulated this backward
+        self._gather: Optional[C.AllGatherResult] = None
+        self.on_accumulated: Optional[Any] = None  # the hooks' post-accumulate-grad hooks, sharded params
+        self.on_replicated: Optional[Any] = None  # and replicated ones (called with the ReplicatedParam)
+        self.hook_handles: Dict[int, Any] = {}  # registered lazily: only a tensor that requires grad takes one
+        self._swap_sharded()
+
+    # -- properties -----------------------------------------------------------------------------------
+    @property
+    def is_live(self) -> bool:
+        return self.state is not ShardedState.SHARDED
+
+    @property
+    def in_use(self) -> bool:
+        return self.depth > 0 or self.training_state is TrainingState.PRE_BACKWARD
+
+    def all_params(self) -> Tuple[AnyParam, ...]:
+        """Every parameter of the unit: the sharded ones, then the replicated ones."""
+        return (*self.params, *self.replicated)
+
+    def trainable(self) -> Tuple[int, ...]:
+        """Sharded parameters that take part in gradient reduction: ``requires_grad`` of the DTensor, which
+        the user sets alike on every rank, so every rank issues the same collectives."""
+        return tuple(i for i, sp in enumerate(self.params) if sp.requires_grad)
+
+    # -- training state ([Note: unit lifecycle]) ---------------------------------------------------------
+    def enter_forward(self) -> bool:
+        """A forward call into the unit starts; True for the outermost one."""
+        self.depth += 1
+        return self.depth == 1
+
+    def begin_forward(self) -> None:
+        self.training_state = TrainingState.FORWARD
+
+    def exit_forward(self) -> bool:
+        """A forward call returns; True when it was the outermost one (the unit is idle again)."""
+        self.depth = max(self.depth - 1, 0)
+        if self.depth > 0:
+            return False
+        self.training_state = TrainingState.IDLE
+        return True
+
+    def expect_post_backward(self) -> None:
+        """This forward hooked its inputs: one more post-backward to come."""
+        self.pending_post_backward += 1
+        self.registered_post_backward += 1
+
+    def post_backward_fired(self) -> bool:
+        """One post-backward ran; True when it was the last one pending."""
+        self.pending_post_backward -= 1
+        return self.pending_post_backward <= 0
+
+    def begin_backward(self) -> bool:
+        """A pre-backward hook fired; True for the first one of this backward pass."""
+        if self.training_state is TrainingState.PRE_BACKWARD:
+            return False
+        self.training_state = TrainingState.PRE_BACKWARD
+        return True
+
+    def grad_accumulated(self) -> bool:
+        """Autograd accumulated a sharded parameter's gradient. True when the unit has no post-backward and the
+        gradient of *every* sharded parameter is in: then every op that uses one has run its backward (an op
+        computes its weight's and its input's gradients in one node), so the unit can be reduced and go. With a
+        frozen sharded parameter an op of the unit may still need it: the end of backward reduces it then."""
+        self.accumulated += 1
+        return (self.registered_post_backward == 0 and self.accumulated == len(self.params)
+                and self.depth == 0 and self.state is ShardedState.GATHERED)
+
+    def finish_backward(self) -> None:
+        self.training_state = TrainingState.POST_BACKWARD
+
+    def clear_counters(self) -> None:
+        self.pending_post_backward = self.registered_post_backward = self.accumulated = 0
+
+    def end_backward(self) -> None:
+        self.clear_counters()
+        self.training_state = TrainingState.IDLE
+
+    # -- swapping -------------------------------------------------------------------------------------
+    def _swap_sharded(self) -> None:
+        for p in self.all_params():
+            for ref in p.refs:
+                ref.module._parameters[ref.attr] = p.sharded
+
+    def _swap_full(self) -> None:
+        for p in self.all_params():
+            if p.full.requires_grad != p.sharded.requires_grad:
+                p.full.requires_grad_(p.sharded.requires_grad)
+            if p.full.requires_grad and id(p) not in self.hook_handles:
+                if isinstance(p, ShardedParam) and self.on_accumulated is not None:
+                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(self.on_accumulated)
+                elif isinstance(p, ReplicatedParam) and self.on_replicated is not None:
+                    hook = self.on_replicated
+                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(lambda _, rp=p: hook(rp))
+            for ref in p.refs:
+                ref.module._parameters[ref.attr] = p.full
+
+    def remove_hooks(self) -> None:
+        self.on_accumulated = self.on_replicated = None  # (they close over the hooks: no cycle left)
+        for h in self.hook_handles.values():
+            h.remove()
+        self.hook_handles.clear()
+
+    # -- gather / release -----------------------------------------------------------------------------
+    def issue_gather(self, prefetched: bool = False) -> None:
+        """SHARDED -> GATHERING: the all-gather of the flat shard (cast to param_dtype) is issued, async."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        if self.params:
+            self._gather = self._all_gather(async_op=True)
+        self.state = ShardedState.GATHERING
+        self.is_prefetched = prefetched
+        self.log.live(self.full_numel)
+
+    def finish_gather(self) -> None:
+        """-> GATHERED: waits for the all-gather, copies out into the full parameters, swaps them in."""
+        if self.state is ShardedState.GATHERED:
+            return
+        if self.state is ShardedState.SHARDED:
+            self.issue_gather()
+        if self.params:
+            res, self._gather = self._gather, None
+            out = C.gathered(res, self.log)
+            self._settle_full()
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
+                self.full_flat.untyped_storage().resize_(self._full_nbytes if self.pinned else self._gathered_nbytes)
+                C.copy_out(out, self.full_views, self.s, self.kernels)
+        self._swap_full()
+        self.state = ShardedState.GATHERED
+        self.is_prefetched = False
+
+    def _all_gather(self, async_op: bool) -> C.AllGatherResult:
+        if self.nodes is not None:
+            return C.all_gather_two_hop(self.shard_flat, self.nodes, dtype=self.param_dtype, async_op=async_op,
+                                        log=self.log, kernels=self.kernels)
+        return C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
+                                 async_op=async_op, log=self.log, kernels=self.kernels)
+
+    def release(self, force: bool = False) -> None:
+        """-> SHARDED: the DTensors go back into the modules and the full storage is freed. A pinned unit
+        stays gathered unless ``force``."""
+        if self.state is ShardedState.SHARDED or (self.pinned and not force):
+            return
+        if self._gather is not None:  # a prefetch never used: its first hop is waited, no second hop (alike
+            C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)
+            self._gather = None
+        self._swap_sharded()
+        if self.params and not self._reading_full:  # else the last reduce-scatter reading it frees it
+            self.full_flat.untyped_storage().resize_(0)
+        self.state = ShardedState.SHARDED
+        self.is_prefetched = False
+        self.log.live(-self.full_numel)
+
+    def refresh(self) -> None:
+        """After an optimizer step, a unit still in use gets the new values ([Note: version counters])."""
+        if not self.params or self.state is not ShardedState.GATHERED:
+            return
+        out = C.gathered(self._all_gather(async_op=False), self.log)
+        self._settle_full()
+        with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
+            C.copy_out(out, self.full_views, self.s, self.kernels)
+
+    def drop(self) -> None:
+        """Local reset after a failure: no collective, no wait (a peer may be gone)."""
+        self._gather = None
+        for sp in self.params:
+            sp.full.grad = None
+        self._swap_sharded()
+        if self.params and not self._reading_full:  # a collective may still read it: left allocated
+            self.full_flat.untyped_storage().resize_(0)
+        self._reading_full.clear()
+        if self.state is not ShardedState.SHARDED:
+            self.log.live(-self.full_numel)
+        self.state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.is_prefetched = False
+        self.depth = 0
+        self.clear_counters()
+
+    # -- the full storage as a reduce-scatter's input ([Note: staging in place] in gradients.py) ------------
+    def staging(self, at: int, rows: int, cols: int) -> Tensor:
+        """A (rows, cols) reduce_dtype view of the full storage, ``at`` elements (of reduce_dtype) in."""
+        return torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(
+            self.full_flat.untyped_storage(), at, (rows, cols))
+
+    def reading_full(self, work: Optional[dist.Work]) -> None:
+        """A reduce-scatter reads its input from the full storage until ``work`` is waited for."""
+        if work is not None:
+            self._reading_full.append(work)
+
+    def done_reading(self, work: Optional[dist.Work]) -> None:
+        """``work`` was waited for; the last reader frees the storage a release left allocated."""
+        if work is not None and work in self._reading_full:
+            self._reading_full.remove(work)
+            if not self._reading_full and self.state is ShardedState.SHARDED:
+                self.full_flat.untyped_storage().resize_(0)  # the release left it to the last reader
+
+    def _settle_full(self) -> None:
+        """Before the full storage is written again: the reduce-scatters still reading it are waited for."""
+        for work in self._reading_full:
+            C.wait(work, self.log)
+        self._reading_full.clear()
