@@ -91,15 +91,23 @@ def check_quantization(quantize_gradients: Any, quantize_allgather: Any, block_s
     return block
 
 
-def refuse_unwired_quantization(quantize_gradients: Any, quantize_allgather: bool) -> None:
-    """The quantized collectives exist (quantized.py) but the engine does not send them yet: an option that
-    would not act is refused."""
-    if quantize_gradients is not False:
-        _fail("quantize_gradients", quantize_gradients,
-              "False for now (the int8 replica all-reduce is not wired into the engine yet, issue 35)")
-    if quantize_allgather:
-        _fail("quantize_allgather", quantize_allgather,
-              "False for now (the int8 cross-node gather hop is not wired into the engine yet, issue 35)")
+def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> None:
+    """A quantization option that would not act on this layout is refused ([Note: quantized traffic]): the
+    replica all-reduce needs sharded parameters (s > 1) and several replicas (r > 1); the int8 gather hop needs
+    the two-hop gather (a sharding group of whole nodes, no tensor-parallel axis, ``hierarchical_allgather``
+    not False)."""
+    if cfg.quantize_gradients is not False and (s == 1 or r == 1):
+        why = "every parameter stays replicated with s = 1 and their all-reduce is not quantized" if s == 1 else \
+            "a single replica (s = the data-parallel size) has no replica all-reduce"
+        _fail("quantize_gradients", cfg.quantize_gradients,
+              f"False with sharded_data_parallel_degree={s} and {r} replica(s): {why}")
+    p, t = ranks_per_node, cfg.tensor_parallel_degree
+    two_hop = t == 1 and s > p and s % p == 0 and cfg.hierarchical_allgather is not False
+    if cfg.quantize_allgather and not two_hop:
+        _fail("quantize_allgather", True,
+              f"False unless the parameter gather takes two hops (a sharding group of whole nodes: s={s} with "
+              f"{p} ranks per node, tensor_parallel_degree={t}, hierarchical_allgather="
+              f"{cfg.hierarchical_allgather}); only the cross-node hop is quantized")
 
 
 @dataclass
@@ -202,7 +210,6 @@ class MiCSConfig:
             _fail("stop_on_nonfinite", self.stop_on_nonfinite, "True or False")
         self.quantization_block_size = check_quantization(
             self.quantize_gradients, self.quantize_allgather, self.quantization_block_size)
-        refuse_unwired_quantization(self.quantize_gradients, self.quantize_allgather)
 
     def validate_world(self, world_size: int, ranks_per_node: int) -> int:
         """Resolves and checks the sharding degree against the world; returns s. Call before any group.
@@ -223,6 +230,7 @@ class MiCSConfig:
             what = f"the world size {world_size}" if t == 1 else \
                 f"the data-parallel size {dp} (world {world_size} / tensor_parallel_degree {t})"
             _fail("sharded_data_parallel_degree", s, f"a divisor of {what}: {divisors}")
+        check_quantization_layout(self, s, dp // s, ranks_per_node)
         return s
 
     @classmethod

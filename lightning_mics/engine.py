@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from lightning_mics import full_state
+from lightning_mics import quantized as Q
 from lightning_mics.activations import ActivationCheckpointing, plan_groups
 from lightning_mics.config import MiCSOptions
 from lightning_mics.hooks import Hooks
@@ -51,8 +52,10 @@ class MiCSEngine:
         plan = plan_sharding(root, classes, persistence_threshold, topo.layout.shard_size)
         on_meta = has_meta(root)  # before the units replace the parameters with their (allocated) shards
         nodes = topo.node_groups() if hierarchical else None
+        quantize = Q.QuantizeSpec(options.quantize_gradients, options.quantize_allgather,
+                                  options.quantization_block_size)  # [Note: quantized traffic] in config.py
         self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, kernels=kernels,
-                           log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only)
+                           log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only, quantize=quantize)
                       for up in plan.units]
         self.device = device
         by_param = {id(rp.full): rp for rp in self.replicated}
@@ -67,7 +70,7 @@ class MiCSEngine:
                                for r in p.refs}, device)
         self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
                                  reshard_after_forward)
-        self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only)
+        self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize)
         self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
                            self.schedule, self.grads)
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
@@ -186,6 +189,7 @@ class MiCSEngine:
         grads = 0
         for u in self.units:
             grads += nbytes(self.grads.of(u).accum)
+            grads += sum(nbytes(t) for t in self.grads.of(u).residuals())  # error feedback
             grads += sum(nbytes(p.sharded.grad) for p in u.all_params())
             grads += sum(nbytes(rp.full.grad) for rp in u.replicated)
         opt = 0

@@ -33,6 +33,16 @@ the all-reduces are issued in the fixed order ``reversed(units)`` (the usual bac
 every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
 order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
 adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
+
+[Note: quantized replica sync]
+With ``quantize_gradients`` each bucket's replica all-reduce is two collectives on the replica group with local
+work between them ([Note: quantized all-reduce] in quantized.py): an all-to-all of int8 chunks, then, after the
+fp32 sum and requantization, an all-gather. The all-to-all goes when the unit's all-reduce is issued; its
+all-gather when the next unit's is (or at the end of backward), so both overlap the backward that remains, and
+every rank issues one sequence on the group: all-to-all(u0), all-gather(u0), all-to-all(u1), ... . A late part
+is reduced the same way (two quantizations, each within its bound). ``"error_feedback"`` keeps one residual per
+bucket (``UnitGrads._residuals``, in the accumulator's dtype), dropped after a failure and not part of
+checkpoints: a resumed run restarts it from zero.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_mics import collectives as C
+from lightning_mics import quantized as Q
 from lightning_mics.placement import ReplicatedParam, local
 from lightning_mics.replicated import ReplicatedReducer
 from lightning_mics.unit import ShardedState, TrainingState, Unit
@@ -67,8 +78,10 @@ class UnitGrads:
     """One unit's gradients: its buckets, this window's accumulator, the stash, which parameters got one. It
     reads the unit's layout and writes only the full parameters' ``.grad`` and the DTensors' ``.grad``."""
 
-    def __init__(self, unit: Unit, bucket_size: int) -> None:
+    def __init__(self, unit: Unit, bucket_size: int, quantize: Optional[Q.QuantizeSpec] = None) -> None:
         self.unit, self.params, self.topo, self.log = unit, unit.params, unit.topo, unit.log
+        self.quantize = quantize or Q.QuantizeSpec()  # [Note: quantized replica sync]
+        self._residuals: Dict[Tuple[int, ...], Q.Residual] = {}  # error feedback, per bucket
         self.s, self.kernels, self.device = unit.s, unit.kernels, unit.device
         self.param_dtype, self.reduce_dtype = unit.param_dtype, unit.reduce_dtype
         self.shard_numel = unit.shard_flat.numel()
@@ -92,6 +105,7 @@ class UnitGrads:
         self.accum = self.late = None
         self.replica_issued = False
         self._replica_work.clear()
+        self._residuals.clear()  # a failed step may have left a residual half-used
         self.stash = [None] * len(self.params)
         self.got_grad.zero_()
 
@@ -208,17 +222,41 @@ class UnitGrads:
     def _all_reduce_bucket(self, bucket: _Bucket, target: Tensor, async_op: bool
                            ) -> Tuple[Optional[dist.Work], Optional[Tensor], List[Tensor]]:
         if bucket.lo >= 0:
-            work = C.all_reduce_sum(target[bucket.lo:bucket.hi], self.topo.replica_group, async_op=async_op,
-                                    log=self.log, group_name="replicate")
+            work = self._replica_all_reduce(target[bucket.lo:bucket.hi], bucket, async_op)
             return work, None, []
         regions = self._regions(bucket, target)
         buf = torch.cat(regions)
-        work = C.all_reduce_sum(buf, self.topo.replica_group, async_op=async_op, log=self.log,
-                                group_name="replicate")
+        work = self._replica_all_reduce(buf, bucket, async_op)
         if not async_op:
             torch._foreach_copy_(regions, list(buf.split([r.numel() for r in regions])))
             return None, None, []
         return work, buf, regions
+
+    def _replica_all_reduce(self, flat: Tensor, bucket: _Bucket, async_op: bool) -> Any:
+        """In-place sum over the replica group: an all-reduce in reduce_dtype, or int8 blocks with
+        ``quantize_gradients`` ([Note: quantized replica sync]). Returns the Work (``C.wait`` takes both)."""
+        group, B = self.topo.replica_group, self.quantize.block_size
+        if not self.quantize.gradients:
+            return C.all_reduce_sum(flat, group, async_op=async_op, log=self.log, group_name="replicate")
+        residual = None
+        if self.quantize.gradients == "error_feedback":
+            residual = self._residuals.get(bucket.slots)
+            if residual is None:
+                residual = self._residuals[bucket.slots] = Q.feedback_buffers(
+                    flat.numel(), self.topo.layout.replicas, B, flat.dtype, flat.device)
+        res = Q.quantized_all_reduce(flat, group, B, residual=residual, async_op=async_op, log=self.log,
+                                     group_name="replicate", kernels=self.kernels)
+        return res if async_op else None
+
+    def start_replica_gathers(self) -> None:
+        """Int8 replica all-reduces whose all-to-all is in flight wait for it and issue their all-gather."""
+        for work, _, _ in self._replica_work:
+            if isinstance(work, Q.QuantizedReduce) and work.stage == 1:
+                work.advance()
+
+    def residuals(self) -> List[Tensor]:
+        """The error-feedback state this rank keeps (model-state accounting)."""
+        return [t for res in self._residuals.values() for t in res]
 
     def finish_replica_sync(self) -> None:
         """Waits for the replica all-reduce (issuing it first if nothing did); a contribution reduced after it
@@ -274,8 +312,8 @@ class GradientPath:
     boundary, and the replicated parameters' reducer ([Note: replicated gradients] in replicated.py)."""
 
     def __init__(self, units: List[Unit], reducer: ReplicatedReducer, bucket_size: int,
-                 optimizer_state_only: bool) -> None:
-        self.all = [UnitGrads(u, bucket_size) for u in units]
+                 optimizer_state_only: bool, quantize: Optional[Q.QuantizeSpec] = None) -> None:
+        self.all = [UnitGrads(u, bucket_size, quantize) for u in units]
         self._of = {id(g.unit): g for g in self.all}
         self.reducer = reducer
         self.optimizer_state_only = optimizer_state_only
@@ -338,16 +376,24 @@ class GradientPath:
                     and all(p.grads is not g for p in self._pending_reduces))
             if not done:
                 return
-            g.issue_replica_sync()
-            self._sync_cursor += 1
+            self._issue_next_replica_sync()
+
+    def _issue_next_replica_sync(self) -> None:
+        """The next unit's replica all-reduce in ``_sync_order``; int8 ones already issued first start their
+        all-gather, so the sequence on the replica group is the same on every rank ([Note: quantized replica
+        sync])."""
+        for g in self._sync_order[:self._sync_cursor]:
+            g.start_replica_gathers()
+        self._sync_order[self._sync_cursor].issue_replica_sync()
+        self._sync_cursor += 1
 
     # -- accumulation boundary ------------------------------------------------------------------------------
     def sync(self) -> None:
         """MiCS 2-hop sync: replica all-reduce of shard gradients, world all-reduce of replicated ones
         ([Note: replicated gradients] in replicated.py, whose last bucket carries the sharded parameters'
         flags: did any rank get a gradient?, so that a parameter no rank used keeps ``grad=None``)."""
-        for g in self._sync_order:  # what the backward did not issue, in the same fixed order
-            g.issue_replica_sync()
+        while self._sync_cursor < len(self._sync_order):  # what the backward did not issue, in the same order
+            self._issue_next_replica_sync()
         for g in self._sync_order:
             g.finish_replica_sync()
         self._sync_cursor = 0

@@ -75,6 +75,7 @@ class QuantizedReduce:
     def __init__(self, output: Tensor, work: Optional[dist.Work], step: Optional[_Stage]) -> None:
         self.output = output  # the flat: holds the sum once ``done``
         self._work, self._step = work, step
+        self.stage = 0 if step is None else 1  # collectives issued: 1 = the all-to-all, 2 = the all-gather too
 
     @property
     def done(self) -> bool:
@@ -87,6 +88,7 @@ class QuantizedReduce:
         if self._step is not None:
             step, self._step = self._step, None
             self._work, self._step = step()
+            self.stage += self._work is not None
 
     def wait(self) -> bool:
         while not self.done:

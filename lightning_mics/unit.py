@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mics import collectives as C
+from lightning_mics import quantized as Q
 from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
 from lightning_mics.sharding import UnitPlan
 from lightning_mics.telemetry import CommLog
@@ -62,8 +63,10 @@ class Unit:
 
     def __init__(self, plan: UnitPlan, topo: Topology, *, param_dtype: Optional[torch.dtype],
                  reduce_dtype: torch.dtype, kernels: str, log: CommLog, device: torch.device,
-                 nodes: Optional[C.NodeGroups] = None, pinned: bool = False) -> None:
+                 nodes: Optional[C.NodeGroups] = None, pinned: bool = False,
+                 quantize: Optional[Q.QuantizeSpec] = None) -> None:
         self.path = plan.path or "<root>"
+        self.quantize = quantize or Q.QuantizeSpec()  # quantize_allgather: the two-hop gather's first hop in int8
         self.module = plan.module
         self.topo, self.kernels, self.log = topo, kernels, log
         self.s = topo.layout.shard_size
@@ -252,6 +255,10 @@ class Unit:
         self.is_prefetched = False
 
     def _all_gather(self, async_op: bool) -> C.AllGatherResult:
+        if self.nodes is not None and self.quantize.allgather:  # [Note: quantized traffic] in config.py
+            return Q.quantized_all_gather_two_hop(self.shard_flat, self.nodes, self.quantize.block_size,
+                                                  dtype=self.param_dtype, async_op=async_op, log=self.log,
+                                                  kernels=self.kernels)
         if self.nodes is not None:
             return C.all_gather_two_hop(self.shard_flat, self.nodes, dtype=self.param_dtype, async_op=async_op,
                                         log=self.log, kernels=self.kernels)

@@ -59,6 +59,10 @@ VARIANTS = [
          accum=2, reduce_bucket_size=3000),  # several gradient buckets per unit and for the replicated ones
     dict(model="gpt", sharded_data_parallel_degree=1, shard_optimizer_state=True, param_persistence_threshold=100,
          accum=2, precision="bf16-mixed"),  # optimizer state over all 4 ranks, full parameters kept (ZeRO-1)
+    dict(model="gpt", sharded_data_parallel_degree=2, param_persistence_threshold=100, accum=2,
+         quantize_gradients="error_feedback", quantization_block_size=512),  # int8 replica all-reduce + residuals
+    dict(model="gpt", sharded_data_parallel_degree=4, ranks_per_node=2, param_persistence_threshold=100,
+         quantize_allgather=True, precision="bf16-mixed"),  # the two-hop gather's cross-node hop in int8
 ]
 
 
@@ -68,7 +72,10 @@ def _settings(v):
                     optimizer=v.get("optimizer", "adamw"), accumulation=v.get("accum", 1),
                     param_persistence_threshold=v["param_persistence_threshold"], prefetch=v.get("prefetch", 1),
                     reduce_bucket_size=v.get("reduce_bucket_size", 500_000_000),
-                    shard_optimizer_state=v.get("shard_optimizer_state", False))
+                    shard_optimizer_state=v.get("shard_optimizer_state", False),
+                    quantize_gradients=v.get("quantize_gradients", False),
+                    quantize_allgather=v.get("quantize_allgather", False),
+                    quantization_block_size=v.get("quantization_block_size", 2048))
 
 
 def _group_name(op, group, layout, rank=0):
@@ -110,6 +117,10 @@ def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
         layout = plan_layout(WORLD, WORLD if v.get("shard_optimizer_state") else s, v.get("ranks_per_node"))
         seen = defaultdict(lambda: {"bytes": 0, "calls": 0})
         for op, group, nbytes in measured["steps"][-1]:
+            if op == "all_to_all":  # the int8 replica all-reduce: the telemetry counts its wire once, as this
+                op = "all_reduce"
+            elif op == "all_gather" and v.get("quantize_gradients") and list(group) == layout.replica_group_of(0):
+                continue  # ... and not its second collective, the all-gather of the same wire
             if op in ("all_gather", "reduce_scatter", "all_reduce"):
                 entry = seen[f"{op}/{_group_name(op, group, layout)}"]
                 entry["bytes"] += nbytes

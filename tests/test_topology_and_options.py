@@ -44,8 +44,6 @@ def test_node_subgroups_when_a_shard_group_spans_nodes():
     (dict(quantization_block_size=0), "quantization_block_size=0"),
     (dict(quantization_block_size=1 << 17), "quantization_block_size=131072"),
     (dict(quantization_block_size=4096), "quantization_block_size=4096"),  # without a quantize option
-    (dict(quantize_gradients=True), "quantize_gradients=True"),  # not wired into the engine yet
-    (dict(quantize_allgather=True), "quantize_allgather=True"),
     (dict(start_method="thread"), "start_method"),
 ])
 def test_bad_option_is_a_value_error_naming_it(kwargs, option):
