@@ -13,12 +13,14 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
   mics_host    ``MiCSStrategy(sharded_data_parallel_degree=2, ranks_per_node=2)``: a sharding group per host
   mics_twohop  ``MiCSStrategy(sharded_data_parallel_degree=4, hierarchical_allgather=True)``: one group over both
                hosts, the parameter all-gather in two hops
-Both MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
+  mics_host_q8    mics_host with ``quantize_gradients=True``: the replica all-reduce (across hosts) in int8 blocks
+  mics_twohop_q8  mics_twohop with ``quantize_allgather=True``: the gather's cross-host hop in int8 blocks
+The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
 
 [Note: time waiting on communication]
 ``CommClock`` wraps the ``torch.distributed`` collectives that DDP's hook, FSDP2 and the MiCS engine call
 (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``, ``all_gather_into_tensor``,
-``reduce_scatter_tensor``) and ``Work.wait``: per collective and scope (``cross``: its group spans both hosts,
+``reduce_scatter_tensor``, and ``all_to_all_single`` of the int8 all-reduce) and ``Work.wait``: per collective and scope (``cross``: its group spans both hosts,
 ``local``: one host) it counts calls and bytes (the larger of input and output) and the seconds this rank was
 blocked: the whole call when synchronous, the ``wait()`` when asynchronous. DDP's reducer waits for its buckets
 in C++, out of sight: for ``ddp`` the blocked time is estimated as the last bucket's completion minus the last
@@ -47,12 +49,12 @@ for p in (str(REPO), str(REPO / "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop")
+CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop", "mics_host_q8", "mics_twohop_q8")
 RANKS_PER_HOST = 2
 # collective -> index of the positional argument holding its larger buffer (the output of a gather, the input of
 # a reduce-scatter); every one of them takes ``group`` and ``async_op`` keywords
 _WRAPPED = {"all_reduce": 0, "all_gather_single": 0, "all_gather_into_tensor": 0, "reduce_scatter_single": 1,
-            "reduce_scatter_tensor": 1}
+            "reduce_scatter_tensor": 1, "all_to_all_single": 1}
 
 
 class CommClock:
@@ -194,11 +196,12 @@ def make_strategy(case: str, clock: CommClock):
                                      process_group_backend="gloo")
     from lightning_mics import MiCSStrategy
 
-    if case == "mics_host":
+    if case.startswith("mics_host"):
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
-                            param_persistence_threshold=0)
+                            param_persistence_threshold=0, quantize_gradients=case.endswith("_q8"))
     return MiCSStrategy(sharded_data_parallel_degree=2 * RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
-                        hierarchical_allgather=True, param_persistence_threshold=0)
+                        hierarchical_allgather=True, param_persistence_threshold=0,
+                        quantize_allgather=case.endswith("_q8"))
 
 
 def run(args: argparse.Namespace) -> None:
