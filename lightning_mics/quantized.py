@@ -173,7 +173,7 @@ def quantized_all_reduce(
         rows = torch.empty_like(sent.wire)
         done = dist.all_gather_single(rows.view(-1), mine.wire.view(-1), group=group, async_op=async_op)
 
-        def copy_stage():
+        def copy_stage(_sent=mine.wire):  # the all-gather's input stays referenced until it is done
             triton_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
             return None, None
 
