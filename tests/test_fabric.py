@@ -81,10 +81,10 @@ def test_resume_from_fabric_save_halfway_equals_uninterrupted(four):
         assert r["optimizer_keys"] == ["param_groups", "state"], (fmt, r)
 
 
-def test_two_ranks_resume_four_rank_checkpoints_load_raw_and_setup_order(four, tmp_path):
+def test_two_ranks_resume_four_rank_checkpoints_load_raw_setup_order_nonfinite(four, tmp_path):
     src, _ = four
-    results = run_ranks(SCRIPT, 2, ["--world", "2", "--cases", f"load:2:{src}", "equiv:2:2:sgd:norm:split", "order"],
-                        tmp_path)
+    results = run_ranks(SCRIPT, 2, ["--world", "2", "--cases", f"load:2:{src}", "equiv:2:2:sgd:norm:split", "order",
+                                    "nonfinite"], tmp_path)
     load = results[0][f"load:2:{src}"]
     for fmt in ("sharded", "full"):
         assert load[fmt]["rel"] <= 1e-5 and load[fmt]["step"] == 2, (fmt, load)
@@ -92,6 +92,9 @@ def test_two_ranks_resume_four_rank_checkpoints_load_raw_and_setup_order(four, t
     assert results[0]["equiv:2:2:sgd:norm:split"]["rel"] <= 1e-5
     for r in results:
         assert "fabric.setup_module(model)" in r["order"]["error"], r["order"]
+        # stop_on_nonfinite acts under Fabric: a NaN on rank 1 stops every rank before the step
+        assert "non-finite gradient norm" in (r["nonfinite"]["error"] or ""), r["nonfinite"]
+    assert results[0]["nonfinite"]["unchanged"]  # stopped before the step changed a parameter
 
 
 def test_registered_and_options_checked_before_any_process():

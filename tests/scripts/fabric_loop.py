@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 import lightning_mics  # noqa: E402
+import lightning_mics.reliability  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
@@ -328,8 +329,26 @@ def case_order():
     return {"error": None}
 
 
+def case_nonfinite():
+    """stop_on_nonfinite=True: a NaN gradient on one rank stops every rank before the optimizer step."""
+    fabric = new_fabric(WORLD, stop_on_nonfinite=True)
+    model, opt, _ = setup(fabric, "split", "sgd")
+    before = full_state(fabric, model)
+    x = local(batches(1)[0, 0], fabric)
+    loss = lm_loss(model, x)
+    fabric.backward(loss * (float("nan") if fabric.global_rank == 1 else 1.0))
+    try:
+        opt.step()
+    except lightning_mics.reliability.NonFiniteError as err:
+        error = str(err)
+    else:
+        error = None
+    after = full_state(fabric, model)
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
 CASES = {"equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
-         "order": case_order}
+         "order": case_order, "nonfinite": case_nonfinite}
 
 
 def main():
