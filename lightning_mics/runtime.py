@@ -52,6 +52,16 @@ it), and a gather or refresh that writes the storage first waits for those reduc
 of their own as before. On CPU, where a buffer above glibc's mmap threshold is a fresh mapping every time, this
 saves the page faults of one unit-sized buffer per reduction; everywhere it lowers the backward peak by one.
 
+[Note: replica sync overlap]
+In the boundary micro-batch the replica all-reduce of a unit's accumulator starts as soon as the unit's last
+reduce-scatter of this backward is finished, while the backward of the units before it still runs (as DDP and
+FSDP2 HSDP start cross-replica traffic per bucket); the end of backward waits for all of them before the
+optimizer step. Collectives on one group must be issued in the same order on every rank, whatever the timing:
+the all-reduces are issued in the fixed order ``reversed(units)`` (the usual backward order), a unit only after
+every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
+order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
+adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
+
 [Note: version counters]
 Autograd saves the full parameters for backward. Between forward and backward their storage is freed and then
 refilled by the re-gather, an in-place write that would bump the version counter and make autograd refuse the
@@ -184,6 +194,9 @@ class Unit:
         self.accumulated = 0  # trainable full parameters whose gradient autograd accumulated this backward
         self.needs_reduce = False
         self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
+        self.replica_issued = False  # the accumulator's replica all-reduce is in flight ([Note: replica sync
+        self.late: Optional[Tensor] = None  # overlap]); reductions finished after that go to ``late``
+        self._replica_work: List[Tuple[Optional[dist.Work], Optional[Tensor], List[Tensor]]] = []
         self.stash: List[Optional[Tensor]] = [None] * len(self.params)  # [Note: optimizer-state-only sharding]
         self.got_grad = torch.zeros(len(self.params), dtype=torch.bool)
         self._gather: Optional[C.AllGatherResult] = None
@@ -307,7 +320,9 @@ class Unit:
         self.is_prefetched = False
         self.depth = self.pending_post_backward = self.registered_post_backward = self.accumulated = 0
         self.needs_reduce = False
-        self.accum = None
+        self.accum = self.late = None
+        self.replica_issued = False
+        self._replica_work.clear()
         self.stash = [None] * len(self.params)
         self.got_grad.zero_()
 
@@ -329,9 +344,8 @@ class Unit:
             return _Bucket(tuple(slots), first.offset, last.offset + last.rows.padded_numel)
         return _Bucket(tuple(slots), -1, -1)
 
-    def _regions(self, bucket: _Bucket) -> List[Tensor]:
-        assert self.accum is not None
-        return [self.accum[sp.offset:sp.offset + sp.rows.padded_numel] for sp in (self.params[i] for i in bucket.slots)]
+    def _regions(self, bucket: _Bucket, flat: Tensor) -> List[Tensor]:
+        return [flat[sp.offset:sp.offset + sp.rows.padded_numel] for sp in (self.params[i] for i in bucket.slots)]
 
     def issue_reduce(self, releasing: bool = False) -> List[_PendingReduce]:
         """Reduce-scatters the full gradients of the trainable parameters (zeros where this rank has none),
@@ -394,36 +408,70 @@ class Unit:
                 self.full_flat.untyped_storage().resize_(0)  # the release left it to the last reader
 
     def _accumulate(self, bucket: _Bucket, out: Tensor) -> None:
-        """Adds a bucket's reduced shard gradients to the window's accumulator."""
+        """Adds a bucket's reduced shard gradients to the window's accumulator (to ``late`` once the replica
+        all-reduce of the accumulator is in flight: [Note: replica sync overlap])."""
         if self.accum is None:
             if bucket.lo == 0 and bucket.hi == self.shard_flat.numel():
                 self.accum = out  # the window's first reduction of the whole unit: its output is the accumulator
                 return
             self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
+        target = self.accum
+        if self.replica_issued:
+            if self.late is None:
+                self.late = torch.zeros_like(self.accum)
+            target = self.late
         if bucket.lo >= 0:
-            self.accum[bucket.lo:bucket.hi].add_(out)
+            target[bucket.lo:bucket.hi].add_(out)
         else:
-            regions = self._regions(bucket)
+            regions = self._regions(bucket, target)
             torch._foreach_add_(regions, list(out.split([r.numel() for r in regions])))
 
-    def sync_replicas(self) -> None:
-        """Accumulation boundary: all-reduce the window's shard gradients across the replica group."""
+    def issue_replica_sync(self) -> None:
+        """Accumulation boundary: starts the all-reduce of the window's shard gradients across the replica
+        group, bucket by bucket, async ([Note: replica sync overlap]); ``finish_replica_sync`` waits."""
         slots = self.trainable()
-        if not slots:
+        if not slots or self.replica_issued:
             return
+        self.replica_issued = True
         if self.accum is None:  # no gradient reached this unit in the window on this rank: still take part
             self.accum = torch.zeros(self.shard_flat.numel(), dtype=self.reduce_dtype, device=self.device)
         if self.topo.layout.replicas == 1:
             return
         for bucket in self.buckets(slots):
-            if bucket.lo >= 0:
-                C.all_reduce_sum(self.accum[bucket.lo:bucket.hi], self.topo.replica_group, log=self.log,
-                                 group_name="replicate")
-            else:
-                regions = self._regions(bucket)
-                buf = torch.cat(regions)
-                C.all_reduce_sum(buf, self.topo.replica_group, log=self.log, group_name="replicate")
+            self._replica_work.append(self._all_reduce_bucket(bucket, self.accum, async_op=True))
+
+    def _all_reduce_bucket(self, bucket: _Bucket, target: Tensor, async_op: bool
+                           ) -> Tuple[Optional[dist.Work], Optional[Tensor], List[Tensor]]:
+        if bucket.lo >= 0:
+            work = C.all_reduce_sum(target[bucket.lo:bucket.hi], self.topo.replica_group, async_op=async_op,
+                                    log=self.log, group_name="replicate")
+            return work, None, []
+        regions = self._regions(bucket, target)
+        buf = torch.cat(regions)
+        work = C.all_reduce_sum(buf, self.topo.replica_group, async_op=async_op, log=self.log,
+                                group_name="replicate")
+        if not async_op:
+            torch._foreach_copy_(regions, list(buf.split([r.numel() for r in regions])))
+            return None, None, []
+        return work, buf, regions
+
+    def finish_replica_sync(self) -> None:
+        """Waits for the replica all-reduce (issuing it first if nothing did); a contribution reduced after it
+        was issued (``late``) is all-reduced now and added: AR(a) + AR(b) = AR(a + b)."""
+        self.issue_replica_sync()
+        for work, buf, regions in self._replica_work:
+            C.wait(work, self.log)
+            if buf is not None:
                 torch._foreach_copy_(regions, list(buf.split([r.numel() for r in regions])))
+        self._replica_work.clear()
+        self.replica_issued = False
+        late, self.late = self.late, None
+        if late is None:
+            return
+        if self.topo.layout.replicas > 1:
+            for bucket in self.buckets(self.trainable()):
+                self._all_reduce_bucket(bucket, late, async_op=False)
+        self.accum.add_(late)
 
     def publish(self, got_any: Tensor) -> None:
         """Adds the synced shard gradients to the DTensor parameters' ``.grad`` (sets it where it is None).
@@ -570,6 +618,8 @@ class MiCSEngine:
         self.sync_replicas = True  # False inside Lightning's block_backward_sync (not a boundary)
         self._callback_queued = False
         self._pending_reduces: List[_PendingReduce] = []
+        self._sync_order = list(reversed(self.units))  # [Note: replica sync overlap]
+        self._sync_cursor = 0
         self._handles: List[Any] = []
         for unit, up in zip(self.units, plan.units):
             for module in self._entry_modules(unit, up):
@@ -735,11 +785,28 @@ class MiCSEngine:
         while len(self._pending_reduces) > 1:  # one reduce-scatter in flight while the next one is built
             p = self._pending_reduces.pop(0)
             p.unit.finish_reduce(p)
+        self._advance_replica_sync()
 
     def _drain_reduces(self) -> None:
         while self._pending_reduces:
             p = self._pending_reduces.pop(0)
             p.unit.finish_reduce(p)
+        self._advance_replica_sync()
+
+    def _advance_replica_sync(self) -> None:
+        """[Note: replica sync overlap]: in the boundary micro-batch, issues the replica all-reduce of each unit
+        whose gradients are complete, in the fixed order ``reversed(units)``, as far as that order allows."""
+        if not self.sync_replicas:
+            return
+        order = self._sync_order
+        while self._sync_cursor < len(order):
+            unit = order[self._sync_cursor]
+            done = (unit.training_state is TrainingState.POST_BACKWARD and not unit.needs_reduce
+                    and all(p.unit is not unit for p in self._pending_reduces))
+            if not done:
+                return
+            unit.issue_replica_sync()
+            self._sync_cursor += 1
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -790,8 +857,11 @@ class MiCSEngine:
         """MiCS 2-hop sync: replica all-reduce of shard gradients, world all-reduce of replicated ones
         ([Note: replicated gradients] in replicated.py, whose last bucket carries the sharded parameters'
         flags: did any rank get a gradient?, so that a parameter no rank used keeps ``grad=None``)."""
-        for unit in self.units:
-            unit.sync_replicas()
+        for unit in self._sync_order:  # what the backward did not issue, in the same fixed order
+            unit.issue_replica_sync()
+        for unit in self._sync_order:
+            unit.finish_replica_sync()
+        self._sync_cursor = 0
         flags = [u.got_grad[list(u.trainable())] for u in self.units]
         got = self.reducer.finish(torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool))
         start = 0
@@ -891,6 +961,7 @@ class MiCSEngine:
     def reset(self) -> None:
         """After an exception: every unit back to SHARDED locally, no collective (peers may be gone)."""
         self._pending_reduces.clear()
+        self._sync_cursor = 0
         self._callback_queued = False
         self.reducer.reset()
         for unit in self.units:

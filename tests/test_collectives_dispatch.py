@@ -176,3 +176,38 @@ def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, preci
             assert held == ([] if boundary else [root]), (r["rank"], i, held)
     if precision == "32-true":
         assert res[0]["max_rel"] < 1e-5, res[0]["max_rel"]
+
+
+def test_replica_all_reduce_starts_during_the_boundary_backward(tmp_path):
+    """[Note: replica sync overlap] in runtime.py: in the boundary micro-batch a unit's replica all-reduce is
+    issued as soon as its reduce-scatter is done, before the backward's last reduce-scatter, in the fixed order
+    reversed(units) on every rank; the micro-batches before the boundary issue none."""
+    accum = 2
+    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--steps", "2", "--accum", str(accum), "--count"],
+                    tmp_path)
+    for r in res:
+        rank = r["rank"]
+        n_units = r["state_bytes"]["n_units"]
+        for i, events in enumerate(r["comms"]):
+            ops = [(op, tuple(g)) for op, g, _ in events]
+            replica = [k for k, o in enumerate(ops) if o == ("all_reduce", tuple(REPLICA[rank]))]
+            scatters = [k for k, o in enumerate(ops) if o[0] == "reduce_scatter"]
+            if (i + 1) % accum:
+                assert not replica, ops
+                continue
+            assert len(replica) == len(scatters) == n_units, ops  # one bucket per unit here
+            # all but the root's (the backward's last unit) start before the last reduce-scatter is issued
+            assert sum(k < scatters[-1] for k in replica) == n_units - 2, ops
+            # each unit's all-reduce after its own reduce-scatter: the k-th all-reduce after the (k+1)-th scatter
+            assert all(replica[k] > scatters[k + 1] for k in range(n_units - 1)), ops
+
+
+def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(tmp_path):
+    """The late part of an accumulator goes to a second buffer all-reduced at the end: the result equals one
+    all-reduce of the sum, for buckets over consecutive and non-consecutive parameters (a frozen one between)."""
+    res = run_ranks(REPO / "tests" / "scripts" / "replica_sync.py", 4, [], tmp_path)
+    for r in res:
+        assert len(r["results"]) == 6, r  # root + 2 blocks, 2 bucket sizes
+        assert any(e["nonconsecutive"] for e in r["results"]), r
+        for e in r["results"]:
+            assert e["err"] <= 1e-6 and not e["late_left"] and not e["issued"], e
