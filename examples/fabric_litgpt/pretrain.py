@@ -9,7 +9,7 @@ is litgpt's pattern: the model created under ``fabric.init_module(empty_init=Tru
 sharding group each time, the replica all-reduce only at the last one), ``fabric.clip_gradients`` and
 ``fabric.save``.
 
-    torchrun --nproc-per-node 4 examples/fabric_litgpt/pretrain.py --s 2 --accum 4      # or on CPU: --accelerator cpu
+    torchrun --nproc-per-node 4 examples/fabric_litgpt/pretrain.py --sharded-degree 2 --accum 4      # or on CPU: --accelerator cpu
 
 No download: the config is ``Config.from_name("pythia-14m", ...)`` with small overrides and the data random tokens.
 """
@@ -90,14 +90,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--accelerator", default="auto")
     ap.add_argument("--devices", default="auto")
-    ap.add_argument("--s", type=int, default=None, help="sharded_data_parallel_degree (default: ranks per node)")
+    ap.add_argument("--sharded-degree", type=int, default=None,
+                    help="sharded_data_parallel_degree (default: ranks per node)")
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--save", type=Path, default=None, help="fabric.save the state here at the end")
     args = ap.parse_args()
-    strategy = MiCSStrategy(sharded_data_parallel_degree=args.s, shard_units=[Block], param_persistence_threshold=0)
+    strategy = MiCSStrategy(sharded_data_parallel_degree=args.sharded_degree, shard_units=[Block],
+                            param_persistence_threshold=0)
     fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()
     cfg = config()
