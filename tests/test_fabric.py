@@ -8,13 +8,9 @@ the collectives per step with and without ``no_backward_sync``. 2 ranks: resumin
 another layout, ``load_raw``, and the wrong setup order refused.
 """
 
-import json
-
 import lightning as L
 import pytest
-import torch
 
-import lightning_mics
 from lightning_mics.fabric import MiCSStrategy
 from tests.helpers.launch import REPO, run_ranks
 

@@ -9,7 +9,7 @@ is litgpt's pattern: the model created under ``fabric.init_module(empty_init=Tru
 sharding group each time, the replica all-reduce only at the last one), ``fabric.clip_gradients`` and
 ``fabric.save``.
 
-    torchrun --nproc-per-node 4 examples/fabric_litgpt/pretrain.py --sharded-degree 2 --accum 4      # or on CPU: --accelerator cpu
+    torchrun --nproc-per-node 4 examples/fabric_litgpt/pretrain.py --sharded-degree 2 --accum 4  # CPU: --accelerator cpu
 
 No download: the config is ``Config.from_name("pythia-14m", ...)`` with small overrides and the data random tokens.
 """
