@@ -12,37 +12,6 @@ reduce-scatter sums them otherwise); at the boundary they are reduce-scattered
 once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor shards, with 1/W of the optimizer
 state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. Only a
 state dict or a save unpins (``quiesce``); the next forward gathers again.
-
-[Note: staging in place]
-A unit released right after its gradients are reduce-scattered no longer needs its full parameters once the
-reduction starts: its backward is done. The rank-major reduce-scatter input is laid out in the unit's own
-full-parameter storage (allocated with room for it: the padded s x S elements in reduce_dtype, when
-reduce_dtype is no wider than param_dtype), instead of in a new buffer of the unit's size. The release then
-leaves the storage allocated until the last reduce-scatter reading it is waited for (``finish_reduce`` frees
-it), and a gather or refresh that writes the storage first waits for those reductions. Units kept gathered
-(the root inside an accumulation window, a pinned unit, a unit still running its forward) stage in a buffer
-of their own as before. On CPU, where a buffer above glibc's mmap threshold is a fresh mapping every time, this
-saves the page faults of one unit-sized buffer per reduction; everywhere it lowers the backward peak by one.
-
-[Note: replica sync overlap]
-In the boundary micro-batch the replica all-reduce of a unit's accumulator starts as soon as the unit's last
-reduce-scatter of this backward is finished, while the backward of the units before it still runs (as DDP and
-FSDP2 HSDP start cross-replica traffic per bucket); the end of backward waits for all of them before the
-optimizer step. Collectives on one group must be issued in the same order on every rank, whatever the timing:
-the all-reduces are issued in the fixed order ``reversed(units)`` (the usual backward order), a unit only after
-every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
-order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
-adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
-
-[Note: quantized replica sync]
-With ``quantize_gradients`` each bucket's replica all-reduce is two collectives on the replica group with local
-work between them ([Note: quantized all-reduce] in quantized.py): an all-to-all of int8 chunks, then, after the
-fp32 sum and requantization, an all-gather. The all-to-all goes when the unit's all-reduce is issued; its
-all-gather when the next unit's is (or at the end of backward), so both overlap the backward that remains, and
-every rank issues one sequence on the group: all-to-all(u0), all-gather(u0), all-to-all(u1), ... . A late part
-is reduced the same way (two quantizations, each within its bound). ``"error_feedback"`` keeps one residual per
-bucket (``UnitGrads._residuals``, in the accumulator's dtype), dropped after a failure and not part of
-checkpoints: a resumed run restarts it from zero.
 """
 
 from __future__ import annotations
@@ -130,6 +99,17 @@ class UnitGrads:
     def _regions(self, bucket: _Bucket, flat: Tensor) -> List[Tensor]:
         return [flat[sp.offset:sp.offset + sp.rows.padded_numel] for sp in (self.params[i] for i in bucket.slots)]
 
+    # [Note: staging in place]
+    # A unit released right after its gradients are reduce-scattered no longer needs its full parameters once the
+    # reduction starts: its backward is done. The rank-major reduce-scatter input is laid out in the unit's own
+    # full-parameter storage (allocated with room for it: the padded s x S elements in reduce_dtype, when
+    # reduce_dtype is no wider than param_dtype), instead of in a new buffer of the unit's size. The release then
+    # leaves the storage allocated until the last reduce-scatter reading it is waited for (``finish_reduce`` frees
+    # it: ``Unit.done_reading``), and a gather or refresh that writes the storage first waits for those reductions.
+    # Units kept gathered (the root inside an accumulation window, a pinned unit, a unit still running its forward)
+    # stage in a buffer of their own as before. On CPU, where a buffer above glibc's mmap threshold is a fresh
+    # mapping every time, this saves the page faults of one unit-sized buffer per reduction; everywhere it lowers
+    # the backward peak by one.
     def issue_reduce(self, releasing: bool = False) -> List[_PendingReduce]:
         """Reduce-scatters the full gradients of the trainable parameters (zeros where this rank has none),
         bucket by bucket, async; frees the full gradients. ``finish_reduce`` adds the results. ``releasing``:
@@ -307,6 +287,25 @@ def _local_grad(p: Any) -> Optional[Tensor]:
     return g
 
 
+# [Note: replica sync overlap]
+# In the boundary micro-batch the replica all-reduce of a unit's accumulator starts as soon as the unit's last
+# reduce-scatter of this backward is finished, while the backward of the units before it still runs (as DDP and
+# FSDP2 HSDP start cross-replica traffic per bucket); the end of backward waits for all of them before the
+# optimizer step. Collectives on one group must be issued in the same order on every rank, whatever the timing:
+# the all-reduces are issued in the fixed order ``reversed(units)`` (the usual backward order), a unit only after
+# every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
+# order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
+# adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
+#
+# [Note: quantized replica sync]
+# With ``quantize_gradients`` each bucket's replica all-reduce is two collectives on the replica group with local
+# work between them ([Note: quantized all-reduce] in quantized.py): an all-to-all of int8 chunks, then, after the
+# fp32 sum and requantization, an all-gather. The all-to-all goes when the unit's all-reduce is issued; its
+# all-gather when the next unit's is (or at the end of backward), so both overlap the backward that remains, and
+# every rank issues one sequence on the group: all-to-all(u0), all-gather(u0), all-to-all(u1), ... . A late part
+# is reduced the same way (two quantizations, each within its bound). ``"error_feedback"`` keeps one residual per
+# bucket (``UnitGrads._residuals``, in the accumulator's dtype), dropped after a failure and not part of
+# checkpoints: a resumed run restarts it from zero.
 class GradientPath:
     """The gradient path of every unit: the reduce queue, the replica all-reduce's order, the 2-hop sync at the
     boundary, and the replicated parameters' reducer ([Note: replicated gradients] in replicated.py)."""

@@ -1,4 +1,4 @@
-"""MiCSStrategy for the Trainer: Lightning glue only. The sharding itself lives in the engine (``runtime.py``).
+"""MiCSStrategy for the Trainer: Lightning glue only. The sharding lives in the engine (ARCHITECTURE.md).
 
 Lifecycle (same order as Lightning's DDP/ModelParallel strategies):
 ``__init__`` validates the options (scalars only) -> ``_configure_launcher`` checks the sharding degree
@@ -107,9 +107,11 @@ class MiCSStrategy(ParallelStrategy):
         self._warned_flat = False
         self.comm_stats: Dict[str, float] = {}
 
-    @property
-    def config(self) -> MiCSOptions:  # the name before the options were frozen
-        return self.options
+    config = property(lambda self: self.options, doc="The options (``self.options``), read-only.")
+
+    def _warn_flat(self, message: str) -> None:
+        self._warned_flat = True  # once per strategy
+        rank_zero_warn(message)
 
     # -- layout -------------------------------------------------------------------------------------
     @property
@@ -233,8 +235,7 @@ class MiCSStrategy(ParallelStrategy):
         sc.route(self, trainer)
 
     def _engine_options(self) -> MiCSOptions:
-        warn = None if self._warned_flat else rank_zero_warn
-        self._warned_flat = True
+        warn = None if self._warned_flat else self._warn_flat
         return self.options.resolved(self.precision_plugin.precision,
                                      F.hierarchical(self.options, self.topology, warn))
 

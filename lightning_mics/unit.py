@@ -1,23 +1,5 @@
 """One unit: its memory (the flat shard and the full parameters), its gather/release state machine, swapping its
 parameters into the modules, and its own training state (as FSDP2's ``FSDPParamGroup``).
-
-[Note: unit lifecycle]
-``ShardedState``: SHARDED -> GATHERING (all-gather issued) -> GATHERED (copied out, full parameters in the
-modules) -> SHARDED. ``TrainingState``: IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE.
-``depth`` counts nested forward calls into the unit; only the outermost one gathers, hooks the backward and
-releases. Whether autograd is running comes from autograd itself (``_current_graph_task_id``): a forward that
-runs inside backward (activation checkpointing's recomputation) finds its unit gathered by the pre-backward
-hook and neither counts nor releases. Manual optimization runs backward and ``optimizer.step`` inside the
-root's forward: the end-of-backward callback reduces the root without releasing it (depth > 0), and the
-post-step hook refreshes it. Which unit is gathered, kept or released when is decided in schedule.py; the
-unit only carries the transitions out.
-
-[Note: version counters]
-Autograd saves the full parameters for backward. Between forward and backward their storage is freed and then
-refilled by the re-gather, an in-place write that would bump the version counter and make autograd refuse the
-saved tensors; the refill restores the counter, as FSDP2 does, because the values are the same. The refresh
-after an optimizer step does bump it: the values changed, and a graph built before the step must fail as it
-would in plain PyTorch.
 """
 
 from __future__ import annotations
@@ -40,6 +22,16 @@ from lightning_mics.topology import Topology
 AnyParam = Union[ShardedParam, ReplicatedParam]
 
 
+# [Note: unit lifecycle]
+# ``ShardedState``: SHARDED -> GATHERING (all-gather issued) -> GATHERED (copied out, full parameters in the
+# modules) -> SHARDED. ``TrainingState``: IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE.
+# ``depth`` counts nested forward calls into the unit; only the outermost one gathers, hooks the backward and
+# releases. Whether autograd is running comes from autograd itself (``_current_graph_task_id``): a forward that
+# runs inside backward (activation checkpointing's recomputation) finds its unit gathered by the pre-backward
+# hook and neither counts nor releases. Manual optimization runs backward and ``optimizer.step`` inside the
+# root's forward: the end-of-backward callback reduces the root without releasing it (depth > 0), and the
+# post-step hook refreshes it. Which unit is gathered, kept or released when is decided in schedule.py; the
+# unit only carries the transitions out.
 class ShardedState(enum.Enum):
     SHARDED = "sharded"  # only the local flat shard exists
     GATHERING = "gathering"  # all-gather issued, not yet copied out
@@ -226,6 +218,12 @@ class Unit:
             h.remove()
         self.hook_handles.clear()
 
+    # [Note: version counters]
+    # Autograd saves the full parameters for backward. Between forward and backward their storage is freed and then
+    # refilled by the re-gather, an in-place write that would bump the version counter and make autograd refuse the
+    # saved tensors; the refill restores the counter, as FSDP2 does, because the values are the same. The refresh
+    # after an optimizer step does bump it: the values changed, and a graph built before the step must fail as it
+    # would in plain PyTorch.
     # -- gather / release -----------------------------------------------------------------------------
     def issue_gather(self, prefetched: bool = False) -> None:
         """SHARDED -> GATHERING: the all-gather of the flat shard (cast to param_dtype) is issued, async."""

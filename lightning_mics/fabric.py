@@ -1,0 +1,357 @@
+"""MiCSStrategy for Lightning Fabric: glue only, over the engine and ``frontend.py`` (shared with the Trainer
+strategy in ``strategy.py``), with the same options (:class:`lightning_mics.config.MiCSConfig`).
+
+``import lightning_mics`` registers it as ``"mics"`` in Fabric's strategy registry, so
+``L.Fabric(strategy="mics")`` works, as does ``L.Fabric(strategy=lightning_mics.fabric.MiCSStrategy(...))``.
+
+[Note: Fabric's loop]
+- ``fabric.setup(model, optimizer)``: the module is sharded (an engine per module, all on one mesh) and the
+  optimizer, built over the plain parameters, is moved onto the shards. ``fabric.setup_module(model)`` then an
+  optimizer built from ``model.parameters()`` and ``fabric.setup_optimizers(optimizer)`` does the same in two
+  steps; an optimizer built before ``setup_module`` and set up after it is refused (its parameters are no longer
+  the module's). ``fabric.init_module(empty_init=True)`` creates the model on the meta device; setting it up
+  materializes only this rank's shards ([Note: sharded initialization] in materialize.py).
+- ``with fabric.no_backward_sync(model, enabled=is_accumulating): fabric.backward(loss)``: every backward
+  reduce-scatters its gradients inside the sharding group into the sharded accumulator; the replica all-reduce
+  runs only at a backward outside the context (or with ``enabled=False``): MiCS's 2-hop sync. Without the context
+  every backward pays it, and the gradients add up alike. Gradients stay sharded throughout.
+- ``fabric.clip_gradients``: by norm over the unsharded model's gradients (clip.py), or by value on the shards.
+- The module called anywhere (evaluation, sampling) gathers its units as during training: full parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from typing import Any, Dict, Generator, List, Optional, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_mics import checkpoint as ckpt
+from lightning_mics import checkpoint_steps as steps
+from lightning_mics import fabric_checkpoint as fc
+from lightning_mics import frontend as F
+from lightning_mics import reliability
+from lightning_mics.config import MiCSOptions, config_from, with_options_signature
+from lightning_mics.materialize import has_meta
+from lightning_mics.engine import MiCSEngine
+from lightning_mics.sharding import resolve_classes
+from lightning_mics.topology import Topology
+
+_log = logging.getLogger("lightning.fabric.strategies.mics")
+_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+def _fail(option: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"MiCSStrategy option {option}={value!r} is invalid under Fabric: allowed is {allowed}.")
+
+
+class MiCSStrategy(ParallelStrategy):
+    """MiCS sharded data parallelism for Fabric: model state sharded over s ranks, replicated r = world / s
+    times; the options of :class:`lightning_mics.config.MiCSConfig`."""
+
+    strategy_name = "mics"
+
+    @with_options_signature
+    def __init__(self, *, accelerator: Optional[Any] = None, parallel_devices: Optional[List[torch.device]] = None,
+                 cluster_environment: Optional[ClusterEnvironment] = None, checkpoint_io: Optional[CheckpointIO] = None,
+                 precision: Optional[Precision] = None, process_group_backend: Optional[str] = None,
+                 **options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
+        self.options: MiCSOptions = config_from(options).freeze()  # [Note: one option list] in config.py
+        if self.options.tensor_parallel_degree != 1:
+            _fail("tensor_parallel_degree", self.options.tensor_parallel_degree,
+                  "1 (a tensor-parallel plan is applied by the Trainer strategy's configure_model)")
+        resolve_classes(self.options.shard_units, "shard_units")
+        resolve_classes(self.options.activation_checkpointing, "activation_checkpointing")
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._topology: Optional[Topology] = None
+        self._engines: List[MiCSEngine] = []
+        self._step_hooks: List[Any] = []
+        self._optimizers: List[Optimizer] = []  # set up, for teardown's plain switch
+        self._steps = 0
+        self._warned_flat = False
+        self._backward_sync_control = _MiCSBackwardSync()
+        self.comm_stats: Dict[str, float] = {}
+
+    # -- layout -----------------------------------------------------------------------------------------------
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("MiCSStrategy.topology exists once Fabric has launched (fabric.launch()).")
+        return self._topology
+
+    @property
+    def device_mesh(self) -> Any:
+        """The DeviceMesh with axes ("replicate", "shard")."""
+        return self.topology.mesh
+
+    def _ranks_per_node(self) -> int:
+        return self.options.ranks_per_node or max(self.num_processes, 1)
+
+    def _check(self) -> int:
+        """Every check that needs the world or the precision, before any process or collective."""
+        precision = getattr(self.precision, "precision", None)
+        if type(self.precision) not in (Precision, MixedPrecision, HalfPrecision) or precision not in _PRECISIONS:
+            raise ValueError(f"Fabric precision plugin {type(self.precision).__name__} (precision={precision!r}) "
+                             f"is not supported by MiCSStrategy: allowed precision is one of {_PRECISIONS}.")
+        if self.options.stop_on_nonfinite and precision == "16-mixed":
+            _fail("stop_on_nonfinite", True, "False with precision='16-mixed' (the loss scaler skips a step with "
+                  "inf/NaN gradients on every rank)")
+        return self.options.validate_world(self.num_nodes * self.num_processes, self._ranks_per_node())
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._check()
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._check()
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = F.connect(self.cluster_environment, self._process_group_backend,
+                                                self.root_device, self.options.timeout)
+        self._topology = F.build_mesh(self.options, self.world_size, self._ranks_per_node(), self.root_device.type)
+        if self.precision.precision == "16-mixed":  # a step that overflows on any rank's shard is skipped on all
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self.precision.scaler = ShardedGradScaler(device=self.root_device.type)
+        _log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- modules and optimizers -------------------------------------------------------------------------------
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer],
+                                    scheduler: Optional[Any] = None) -> Any:
+        """The module sharded and each optimizer moved onto its shards with its state (collective)."""
+        module = self._shard(module, [F.unwrap(o) for o in optimizers])
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self._shard(module, [])
+
+    def _shard(self, module: nn.Module, optimizers: List[Optimizer]) -> nn.Module:
+        if any(e.root is module for e in self._engines):
+            raise ValueError("MiCSStrategy: this module is already set up; allowed is one fabric.setup or "
+                             "fabric.setup_module per module.")
+        warn = None if self._warned_flat else self._warn_flat
+        options = self.options.resolved(self.precision.precision, F.hierarchical(self.options, self.topology, warn))
+        engine = F.shard(module, self.topology, options, self.root_device, optimizers)
+        self._engines.append(engine)
+        F.log_model_state(engine, self.global_rank, _log)
+        return module
+
+    def _warn_flat(self, message: str) -> None:
+        self._warned_flat = True  # once per strategy
+        rank_zero_warn(message)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """An optimizer over a set-up module's shards: built after ``fabric.setup_module(model)`` from
+        ``model.parameters()``, or passed with the model to ``fabric.setup``."""
+        if not self._engines:
+            raise ValueError("MiCSStrategy: fabric.setup_optimizers(optimizer) before any module was set up: set up "
+                             "the module first (model = fabric.setup_module(model)), then build the optimizer from "
+                             "model.parameters(), or pass both to fabric.setup(model, optimizer).")
+        engine = F.engine_holding(optimizer)
+        where = ("Set up the module first (model = fabric.setup_module(model)), then build the optimizer from "
+                 "model.parameters() and call fabric.setup_optimizers(optimizer), or pass both to "
+                 "fabric.setup(model, optimizer)")
+        F.check_optimizer(engine or self._engines[-1], optimizer, where)
+        if engine is not None:
+            self._step_hooks.append(optimizer.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        if not has_meta(module):  # meta tensors are materialized as shards at setup
+            module.to(self.root_device)
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> AbstractContextManager:
+        """``fabric.init_module(empty_init=True)``: on the meta device; each rank materializes only its shards."""
+        if not empty_init:
+            return super().module_init_context(empty_init)
+        stack = ExitStack()
+        stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        if self.options.stop_on_nonfinite:
+            reliability.checked(lambda: None, F.unwrap(optimizer), lambda: self._steps, self.root_device)()
+        out = super().optimizer_step(optimizer, **kwargs)
+        self._steps += 1
+        engine = F.engine_holding(F.unwrap(optimizer))
+        if engine is not None:
+            self.comm_stats = engine.log.step_summary()
+        return out
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """The norm of the unsharded model's gradients, reduced over the shard group (the same on every rank)."""
+        self.precision.unscale_gradients(optimizer)
+        total = F.clip_norm(optimizer, float(max_norm), self.topology, float(norm_type))
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients is non-finite, so it cannot "
+                               "be clipped (fabric.clip_gradients(..., error_if_nonfinite=False) clips anyway).")
+        return total
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        self.precision.unscale_gradients(optimizer)
+        F.clip_value([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
+
+    # -- collectives for the loop -----------------------------------------------------------------------------
+    @override
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None,
+                   reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return steps.broadcast(obj, src)
+
+    # -- state: [Note: Fabric checkpoints] in fabric_checkpoint.py --------------------------------------------
+    @override
+    def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[Dict[str, Any]] = None) -> None:
+        fc.save(self, path, state, storage_options, filter)
+
+    @override
+    def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        return fc.load(self, path, state, strict, weights_only)
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
+        """The full state dict (fp32 masters) on rank 0, {} elsewhere. Collective."""
+        engine = F.ENGINES.get(module)
+        if engine is None:
+            return super().get_module_state_dict(module)
+        return engine.full_state_dict(dst=0)
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
+        fc._load_module(module, state_dict, strict)
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
+        """The optimizer's full state (a plain run's ``state_dict()``) on rank 0, {} elsewhere. Collective."""
+        engine = F.engine_holding(F.unwrap(optimizer))
+        if engine is None:
+            return super().get_optimizer_state(optimizer)
+        return ckpt.full_optimizer_state(engine, F.unwrap(optimizer), dst=0)
+
+    def model_state_bytes(self, module: nn.Module, optimizers: List[Optimizer] = ()) -> Dict[str, int]:
+        """Bytes of parameters, gradients and optimizer state this rank holds for ``module``."""
+        return F.ENGINES[module].model_state_bytes([F.unwrap(o) for o in optimizers])
+
+    @override
+    def teardown(self) -> None:
+        """Every module whose parameters fit in ``max_live_parameters`` plain again, its optimizers re-pointed
+        ([Note: after fit] in frontend.py). Collective; Fabric itself never calls it."""
+        for h in self._step_hooks:
+            h.remove()
+        self._step_hooks.clear()
+        for engine in self._engines:
+            optimizers = [o for o in self._optimizers if F.engine_holding(o) is engine]
+            F.finish(engine, self.options, optimizers, failed=False)
+        self._engines.clear()
+        self._optimizers.clear()
+        self._topology = F.release_unused(self._topology)
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register("mics", cls, description="MiCS sharded data parallelism")
+
+
+class _MiCSBackwardSync(_BackwardSyncControl):
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        """Inside (``enabled``): reduce-scatter in the sharding group only, the replica all-reduce deferred to
+        the first backward outside ([Note: Fabric's loop])."""
+        return _deferred(module, enabled)
+
+
+@contextmanager
+def _deferred(module: nn.Module, enabled: bool) -> Generator[None, None, None]:
+    engine = F.ENGINES.get(module)
+    if engine is None:
+        raise ValueError("MiCSStrategy: fabric.no_backward_sync(model) needs a model set up by this strategy "
+                         "(fabric.setup or fabric.setup_module).")
+    if not enabled:
+        yield
+        return
+    engine.sync_replicas = False
+    try:
+        yield
+    finally:
+        engine.sync_replicas = True

@@ -1,0 +1,173 @@
+"""The Fabric strategy's checkpoints, as functions (``fabric.py`` calls them from ``save_checkpoint`` /
+``load_checkpoint``).
+
+[Note: Fabric checkpoints]
+``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})`` writes, by default
+(``state_dict_type="sharded"``), a directory in the layout of [Note: checkpoint layout] (checkpoint_files.py): every
+module's state under its own key and every optimizer's state by parameter name under its key go through DCP (the
+DTensor shards themselves: nothing is gathered); the rest of the dict (numbers, ``state_dict()`` of stateful
+objects such as schedulers) goes to ``meta.pt`` with the marker, whose ``fabric`` entry names the module and
+optimizer keys. With ``state_dict_type="full"`` rank 0 writes one file, the dict a plain process would save with
+Fabric: each module's full state dict (fp32 masters, gathered unit by unit) and each optimizer's
+``state_dict()`` keyed by position, plus the marker. Both load into any layout (s, r) and with the same keys;
+``lightning_mics.consolidate`` turns a directory into the full form in one process. Loading checks the files
+and the keys on every rank, and the ranks agree before any collective ([Note: checks before collectives]).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+import torch.nn as nn
+from lightning.fabric.utilities.types import _Stateful
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.optim import Optimizer
+
+from lightning_mics import checkpoint as ckpt
+from lightning_mics import checkpoint_files as files
+from lightning_mics import checkpoint_steps as steps
+from lightning_mics.frontend import ENGINES, engine_holding
+
+Strategy = Any  # lightning_mics.fabric.MiCSStrategy (not imported: that module imports this one)
+
+
+def _split(state: Dict[str, Any]) -> Tuple[Dict[str, nn.Module], Dict[str, Optimizer], Dict[str, Any]]:
+    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+    rest = {k: v for k, v in state.items() if k not in modules and k not in optimizers}
+    return modules, optimizers, rest
+
+
+def _owner(optimizer: Optimizer, modules: Dict[str, nn.Module]) -> Tuple[nn.Module, Any]:
+    """(the module whose parameter names key the optimizer's state, its engine or None)."""
+    engine = engine_holding(optimizer)
+    if engine is not None:
+        return engine.root, engine
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    for m in modules.values():
+        if ids <= {id(p) for p in m.parameters()}:
+            return m, None
+    raise ValueError("MiCSStrategy: fabric.save/load got an optimizer whose module is neither set up nor in the "
+                     "state: allowed are optimizers set up with fabric.setup / setup_optimizers.")
+
+
+def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: Optional[Any],
+         filter: Optional[Dict[str, Any]]) -> None:
+    if filter is not None:
+        raise ValueError(f"MiCSStrategy: fabric.save(filter={filter!r}) is invalid: allowed is None (the whole "
+                         "state of every module and optimizer is saved).")
+    path, token = steps.path_and_token(path)
+    modules, optimizers, rest = _split(state)
+    owners = {k: _owner(o, modules) for k, o in optimizers.items()}
+    info = {"modules": list(modules), "optimizers": list(optimizers)}
+    meta = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in rest.items()}
+    with torch.inference_mode(False):
+        if strategy.options.state_dict_type == "sharded":
+            steps.refuse_remote_sharded(path, storage_options)
+            tensors = {k: ckpt.model_state(m, ENGINES.get(m)) for k, m in modules.items()}
+            tensors.update({k: ckpt.optimizer_state_by_name(owners[k][0], o, owners[k][1])
+                            for k, o in optimizers.items()})
+            meta[files.MARKER] = files.marker("sharded", fabric=info, world_size=strategy.world_size,
+                                              shard_size=strategy.topology.layout.shard_size)
+            ckpt.write_sharded(tensors, meta, Path(path), token, coordinator=strategy.is_global_zero)
+            return
+        for k, m in modules.items():
+            engine = ENGINES.get(m)
+            meta[k] = engine.full_state_dict(dst=0) if engine is not None else m.state_dict()
+        for k, o in optimizers.items():
+            engine = owners[k][1]
+            meta[k] = ckpt.full_optimizer_state(engine, o, dst=0) if engine is not None else o.state_dict()
+    meta[files.MARKER] = files.marker("full", fabric=info)
+    io = strategy.checkpoint_io
+    steps.write_full(meta, path, token, lambda c, p: io.save_checkpoint(c, p, storage_options=storage_options),
+                     strategy.is_global_zero)
+
+
+def _missing(state: Dict[str, Any], keys: Any, path: Path, strict: bool) -> Optional[str]:
+    missing = sorted(set(state) - set(keys))
+    if strict and missing:
+        return (f"{path}: holds no entry for {missing} (it holds {sorted(keys)}); fabric.load(..., strict=False) "
+                "loads the common keys.")
+    return None
+
+
+def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer, Dict[str, Any]], strict: bool,
+         weights_only: Optional[bool]) -> Dict[str, Any]:
+    """``fabric.load``: restores ``state`` in place and returns what the checkpoint holds beyond it; with no
+    state, the whole checkpoint (a directory consolidated in this process). ``fabric.load_raw``: ``state`` is a
+    module or an optimizer and the file its plain ``state_dict()``."""
+    if isinstance(state, (nn.Module, Optimizer)):
+        return _load_raw(path, state, strict, weights_only)
+    state = state or {}
+
+    def check(p: Path, meta: Dict[str, Any]) -> Optional[str]:
+        info = meta[files.MARKER].get("fabric")
+        if info is None:
+            return f"{p}: written by the Trainer strategy (trainer.save_checkpoint); fabric.load reads fabric.save's."
+        return _missing(state, [*info["modules"], *info["optimizers"], *meta], p, strict)
+
+    path, full, meta, index = steps.read_checked(path, weights_only, check=check, lightning=False)
+    if not state:
+        return full if full is not None else ckpt.consolidate(path)
+    modules, optimizers, rest = _split(state)
+    with torch.inference_mode(False):
+        if full is not None:
+            steps.agree(_missing(state, full, path, strict))
+            for k, m in modules.items():
+                if k in full:
+                    _load_module(m, full.pop(k), strict)
+            for k, o in optimizers.items():
+                if k in full:
+                    _load_optimizer(o, _owner(o, modules)[1], full.pop(k))
+            remainder = full
+        else:
+            assert meta is not None and index is not None
+            present = [*meta[files.MARKER]["fabric"]["modules"], *meta[files.MARKER]["fabric"]["optimizers"]]
+            mods = {k: (m, ENGINES.get(m)) for k, m in modules.items() if k in present}
+            opts = {}
+            for k, o in optimizers.items():
+                if k in present:
+                    module, engine = _owner(o, modules)
+                    opts[k] = (module, o, engine)
+            ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only)
+            for k, (m, _) in mods.items():  # the shards were read in place; buffers and plain modules through this
+                set_model_state_dict(m, ckpt.model_state(m, ENGINES.get(m)), options=StateDictOptions(strict=False))
+            remainder = dict(meta)
+    remainder.pop(files.MARKER, None)
+    for k, v in rest.items():
+        if k in remainder:
+            if isinstance(v, _Stateful):
+                v.load_state_dict(remainder.pop(k))
+            else:
+                state[k] = remainder.pop(k)
+    return remainder
+
+
+def _load_raw(path: Any, obj: Union[nn.Module, Optimizer], strict: bool, weights_only: Optional[bool]) -> Dict:
+    path, full, _, _ = steps.read_checked(path, weights_only, lightning=False)
+    if full is None:
+        raise files.CheckpointError(f"{path}: fabric.load_raw reads one file holding a plain state_dict(), not a "
+                                    "directory; fabric.load(path, {{...}}) reads a sharded checkpoint.")
+    with torch.inference_mode(False):
+        if isinstance(obj, nn.Module):
+            _load_module(obj, full, strict)
+        else:
+            _load_optimizer(obj, engine_holding(obj), full)
+    return {}
+
+
+def _load_module(module: nn.Module, full: Dict[str, Any], strict: bool) -> None:
+    engine = ENGINES.get(module)
+    if engine is not None:
+        engine.load_full_state_dict(full, strict=strict)
+    else:
+        module.load_state_dict(full, strict=strict)
+
+
+def _load_optimizer(optimizer: Optimizer, engine: Any, full: Dict[str, Any]) -> None:
+    if engine is not None:
+        ckpt.load_full_optimizer_state(engine, optimizer, full)
+    else:
+        optimizer.load_state_dict(full)

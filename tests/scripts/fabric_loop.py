@@ -1,0 +1,372 @@
+"""One rank of the Fabric tests: trains with a real ``L.Fabric`` + ``lightning_mics.fabric.MiCSStrategy`` in the
+usual Fabric loop (``no_backward_sync`` while accumulating, ``fabric.backward``, ``fabric.clip_gradients``), and
+rank 0 trains the same model in one plain process on the same global batches and compares.
+
+Several cases run one after another in the same processes, each with its own Fabric (``--cases``); the result
+file holds one entry per case. Cases: ``equiv:<s>:<accum>:<opt>:<clip>:<setup>[:<precision>]`` (setup: joint =
+``fabric.setup(model, opt)``, split = setup_module + setup_optimizers, meta = init_module(empty_init=True) +
+split), ``count:<s>:<accum>`` (collectives per step with and without no_backward_sync), ``gan:<s>``,
+``resume:<s>`` (saves halfway into --out, then resumes from each checkpoint), ``load:<s>:<dir>`` (resumes
+another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as Fn
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+
+import lightning_mics  # noqa: E402
+import lightning_mics.reliability  # noqa: E402
+from lightning_mics.fabric import MiCSStrategy  # noqa: E402
+from tests.helpers.comm_mode import CommCounter  # noqa: E402
+
+VOCAB, SEQ, D = 61, 8, 24  # odd sizes: uneven shards and padding
+GLOBAL_BATCH, STEPS = 8, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 40), nn.Linear(40, D)
+
+    def forward(self, x):
+        return x + self.down(Fn.gelu(self.up(x)))
+
+
+class Tiny(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.LayerNorm(D)
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx):
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+class Critic(nn.Module):  # the GAN's second model: scores the first one's output distribution
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(VOCAB, 32), nn.Tanh()),
+                                     nn.Sequential(nn.Linear(32, 32), nn.Tanh())])
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, p):
+        return self.out(self.blocks[1](self.blocks[0](p)))
+
+
+def lm_loss(model, x):
+    logits = model(x[:, :-1])
+    return Fn.cross_entropy(logits.reshape(-1, VOCAB).float(), x[:, 1:].reshape(-1))
+
+
+def batches(accum, seed=1234):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (STEPS, accum, GLOBAL_BATCH, SEQ + 1), generator=g)
+
+
+def optimizer(kind, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+
+
+def strategy(s, **kw):
+    return MiCSStrategy(sharded_data_parallel_degree=s, param_persistence_threshold=16, **kw)
+
+
+def new_fabric(s, precision="32-true", **kw):
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy(s, **kw), precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def local(x, fabric):
+    b = GLOBAL_BATCH // fabric.world_size
+    return x[fabric.global_rank * b:(fabric.global_rank + 1) * b]
+
+
+def fabric_steps(fabric, model, opt, data, clip, start, stop, nbs=True):
+    accum = data.shape[1]
+    for step in range(start, stop):
+        for m in range(accum):
+            with fabric.no_backward_sync(model, enabled=nbs and m < accum - 1):
+                fabric.backward(lm_loss(model, local(data[step, m], fabric)) / accum)
+        if clip == "norm":
+            fabric.clip_gradients(model, opt, max_norm=0.5)
+        elif clip == "value":
+            fabric.clip_gradients(model, opt, clip_val=0.01)
+        opt.step()
+        opt.zero_grad()
+
+
+def plain_steps(model, opt, data, clip, start=0, stop=STEPS):
+    accum = data.shape[1]
+    for step in range(start, stop):
+        for m in range(accum):
+            (lm_loss(model, data[step, m]) / accum).backward()
+        if clip == "norm":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif clip == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        opt.step()
+        opt.zero_grad()
+
+
+def full_state(fabric, model):
+    """The full state dict on rank 0 ({} elsewhere), gathered from the fp32 masters. Collective."""
+    return fabric.strategy.get_module_state_dict(model.module if hasattr(model, "module") else model)
+
+
+def compare(a, b):
+    """Largest |a - b| relative to the largest |b| of every tensor, over all of them."""
+    worst = 0.0
+    for k, v in b.items():
+        worst = max(worst, float((a[k].float() - v.float()).abs().max()) / max(float(v.float().abs().max()), 1e-12))
+    return worst
+
+
+def compare_global(a, b):
+    """||a - b|| / ||b|| over all tensors at once (AdamW: a gradient that is zero up to rounding, such as an
+    attention key bias's, turns rounding into lr-sized steps in that one tensor)."""
+    diff = torch.cat([(a[k].float() - v.float()).flatten() for k, v in b.items()])
+    return float(diff.norm() / torch.cat([v.float().flatten() for v in b.values()]).norm())
+
+
+def setup(fabric, how, kind, layers=2):
+    torch.manual_seed(0)
+    if how == "meta":
+        with fabric.init_module(empty_init=True):
+            model = Tiny(layers)
+        on_meta = all(p.is_meta for p in model.parameters())
+        model = fabric.setup_module(model)
+        return model, fabric.setup_optimizers(optimizer(kind, model.parameters())), on_meta
+    model = Tiny(layers)
+    if how == "joint":
+        model, opt = fabric.setup(model, optimizer(kind, model.parameters()))
+        return model, opt, False
+    model = fabric.setup_module(model)
+    return model, fabric.setup_optimizers(optimizer(kind, model.parameters())), False
+
+
+def case_equiv(s, accum, kind, clip, how, precision="32-true"):
+    fabric = new_fabric(int(s), precision)
+    accum = int(accum)
+    model, opt, on_meta = setup(fabric, how, kind)
+    init = full_state(fabric, model)
+    data = batches(accum)
+    fabric_steps(fabric, model, opt, data, clip, 0, STEPS)
+    final = full_state(fabric, model)
+    probe = data[0, 0, :2, :-1]
+    with torch.no_grad():
+        out = model(probe)  # called outside the loop: full parameters gathered unit by unit
+    held = fabric.strategy.model_state_bytes(model.module, [opt])
+    res = {"on_meta": on_meta, "held_params": held["params"]}
+    if fabric.global_rank == 0:
+        ref = Tiny().to(torch.bfloat16) if precision == "bf16-true" else Tiny()
+        ref.load_state_dict(init)
+        ref_opt = optimizer(kind, ref.parameters())
+        if precision == "bf16-mixed":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                plain_steps(ref, ref_opt, data, clip)
+        else:
+            plain_steps(ref, ref_opt, data, clip)
+        res["rel"] = compare(final, ref.state_dict())
+        res["rel_global"] = compare_global(final, ref.state_dict())
+        res["dtypes"] = sorted({str(v.dtype) for v in final.values()})
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+            expected = ref(probe).float()  # Fabric's forward runs under the precision's autocast too
+        res["outside_loop_rel"] = float((out.float() - expected).abs().max() / expected.abs().max())
+        res["whole_bytes"] = sum(p.numel() * 4 for p in ref.parameters())
+    return res
+
+
+def case_count(s, accum):
+    """Replica all-reduces per optimizer step with no_backward_sync (2-hop) and without it."""
+    fabric = new_fabric(int(s))
+    accum = int(accum)
+    model, opt, _ = setup(fabric, "split", "sgd")
+    data = batches(accum)
+    layout = fabric.strategy.topology.layout
+    replica = tuple(layout.replica_group_of(fabric.global_rank))
+    shard = tuple(layout.shard_group_of(fabric.global_rank))
+    out = {}
+    for nbs in (True, False):
+        for step in range(2):
+            counter = CommCounter()
+            with counter:
+                fabric_steps(fabric, model, opt, data, "none", step, step + 1, nbs=nbs)
+            ev = [(op, tuple(g) if g is not None else None) for op, g, _ in counter.events]
+            out[f"nbs={nbs}"] = {
+                "replica_all_reduce": sum(1 for op, g in ev if op == "all_reduce" and g == replica),
+                "world_all_reduce": sum(1 for op, g in ev if op == "all_reduce" and g is not None
+                                        and len(g) == fabric.world_size),
+                "shard_reduce_scatter": sum(1 for op, g in ev if op == "reduce_scatter" and g == shard),
+            }
+    return out
+
+
+def case_gan(s):
+    fabric = new_fabric(int(s))
+    torch.manual_seed(0)
+    gen, critic = Tiny(), Critic()
+    gen, opt_g = fabric.setup(gen, torch.optim.AdamW(gen.parameters(), lr=1e-2))
+    critic = fabric.setup_module(critic)
+    opt_c = fabric.setup_optimizers(torch.optim.SGD(critic.parameters(), lr=0.1))
+    init = (full_state(fabric, gen), full_state(fabric, critic))
+    data = batches(2)
+
+    def step(g, c, og, oc, x, backward, sync):
+        for m in range(2):  # the generator accumulates over 2 micro-batches
+            with sync(g, m == 0):
+                backward(lm_loss(g, x(data[0, m])) / 2 - c(g(x(data[0, m])[:, :-1]).softmax(-1)).mean() / 2)
+        og.step()
+        og.zero_grad()
+        oc.zero_grad()  # the critic's gradients from the generator's loss are dropped, as in a GAN loop
+        with torch.no_grad():
+            fake = g(x(data[1, 0])[:, :-1]).softmax(-1)
+        backward(c(fake).pow(2).mean())
+        oc.step()
+        oc.zero_grad()
+
+    for _ in range(STEPS):
+        step(gen, critic, opt_g, opt_c, lambda t: local(t, fabric), fabric.backward,
+             lambda mod, on: fabric.no_backward_sync(mod, enabled=on))
+    final = (full_state(fabric, gen), full_state(fabric, critic))
+    if fabric.global_rank != 0:
+        return {}
+    g, c = Tiny(), Critic()
+    g.load_state_dict(init[0])
+    c.load_state_dict(init[1])
+    og, oc = torch.optim.AdamW(g.parameters(), lr=1e-2), torch.optim.SGD(c.parameters(), lr=0.1)
+    from contextlib import nullcontext
+    for _ in range(STEPS):
+        step(g, c, og, oc, lambda t: t, lambda loss: loss.backward(), lambda mod, on: nullcontext())
+    return {"gen_rel": compare_global(final[0], g.state_dict()), "critic_rel": compare(final[1], c.state_dict())}
+
+
+def case_resume(s, precision="32-true"):
+    """Saves at step STEPS/2 (sharded directory and full file), trains on; then fresh models resume from each
+    checkpoint. Writes the uninterrupted final state for another layout's ``load`` case."""
+    half = STEPS // 2
+    out = {}
+    for fmt in ("sharded", "full"):
+        fabric = new_fabric(int(s), precision, state_dict_type=fmt)
+        model, opt, _ = setup(fabric, "split", "adamw")
+        data = batches(2)
+        fabric_steps(fabric, model, opt, data, "norm", 0, half)
+        path = OUT / f"ckpt-{fmt}" if fmt == "sharded" else OUT / "ckpt-full.pt"
+        fabric.save(path, {"model": model, "optimizer": opt, "step": half})
+        fabric_steps(fabric, model, opt, data, "norm", half, STEPS)
+        straight = full_state(fabric, model)
+        torch.manual_seed(99)  # a different initialization: everything must come from the checkpoint
+        model2 = fabric.setup_module(Tiny())
+        opt2 = fabric.setup_optimizers(optimizer("adamw", model2.parameters()))
+        state = {"model": model2, "optimizer": opt2, "step": 0}
+        rest = fabric.load(path, state)
+        fabric_steps(fabric, model2, opt2, data, "norm", state["step"], STEPS)
+        resumed = full_state(fabric, model2)
+        if fabric.global_rank == 0:
+            full = lightning_mics.consolidate(path)
+            out[fmt] = {"rel": compare(resumed, straight), "step": state["step"], "rest": sorted(rest),
+                        "dtypes": sorted({str(v.dtype) for v in full["model"].values()}),
+                        "optimizer_keys": sorted(full["optimizer"]), "n_model": len(full["model"])}
+            torch.save(straight, OUT / f"straight-{fmt}.pt")
+    return out
+
+
+def case_load(s, src):
+    """Resumes the checkpoints of a ``resume`` run (another layout) and compares with its uninterrupted run."""
+    out = {}
+    for fmt in ("sharded", "full"):
+        fabric = new_fabric(int(s))
+        torch.manual_seed(99)
+        model = fabric.setup_module(Tiny())
+        opt = fabric.setup_optimizers(optimizer("adamw", model.parameters()))
+        state = {"model": model, "optimizer": opt, "step": 0}
+        path = Path(src) / ("ckpt-sharded" if fmt == "sharded" else "ckpt-full.pt")
+        fabric.load(path, state)
+        fabric_steps(fabric, model, opt, batches(2), "norm", state["step"], STEPS)
+        resumed = full_state(fabric, model)
+        if fabric.global_rank == 0:
+            out[fmt] = {"rel": compare(resumed, torch.load(Path(src) / f"straight-{fmt}.pt")), "step": state["step"]}
+    # load_raw: a plain state_dict file into a sharded module
+    fabric = new_fabric(int(s))
+    model = fabric.setup_module(Tiny())
+    raw = torch.load(Path(src) / "straight-full.pt")
+    if fabric.global_rank == 0:
+        torch.save(raw, OUT / "raw.pt")
+    fabric.barrier()
+    fabric.load_raw(OUT / "raw.pt", model)
+    got = full_state(fabric, model)
+    if fabric.global_rank == 0:
+        out["load_raw_rel"] = compare(got, raw)
+    return out
+
+
+def case_order():
+    fabric = new_fabric(WORLD)
+    model = Tiny()
+    opt = optimizer("sgd", model.parameters())  # built before setup_module: the wrong order
+    model = fabric.setup_module(model)
+    try:
+        fabric.setup_optimizers(opt)
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"error": None}
+
+
+def case_nonfinite():
+    """stop_on_nonfinite=True: a NaN gradient on one rank stops every rank before the optimizer step."""
+    fabric = new_fabric(WORLD, stop_on_nonfinite=True)
+    model, opt, _ = setup(fabric, "split", "sgd")
+    before = full_state(fabric, model)
+    x = local(batches(1)[0, 0], fabric)
+    loss = lm_loss(model, x)
+    fabric.backward(loss * (float("nan") if fabric.global_rank == 1 else 1.0))
+    try:
+        opt.step()
+    except lightning_mics.reliability.NonFiniteError as err:
+        error = str(err)
+    else:
+        error = None
+    after = full_state(fabric, model)
+    return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+CASES = {"equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
+         "order": case_order, "nonfinite": case_nonfinite}
+
+
+def main():
+    global WORLD, OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--cases", nargs="+", required=True)
+    args = ap.parse_args()
+    WORLD, OUT = args.world, Path(args.out)
+    results = {}
+    for spec in args.cases:
+        name, *params = spec.split(":")
+        results[spec] = CASES[name](*params)
+    import torch.distributed as dist
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    (OUT / f"result{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
