@@ -76,7 +76,7 @@ def test_mistake_is_answered_before_any_rank_starts(tmp_path: Path, override: st
     ("trainer.precision=bf32", "trainer.precision='bf32' is not valid: expected 64, 32, 16, 'transformer-engine'"),
     ("trainer.devices=[0,x]", "trainer.devices=[0, 'x'] is not valid: expected list of int, str or int"),
     ("trainer.devices=0", "trainer.devices=0 is not valid: expected a number of devices"),
-    ("trainer.gradient_clip_val=big", "trainer.gradient_clip_val='big' is not valid: expected float, int or null"),
+    ("trainer.gradient_clip_val=big", "trainer.gradient_clip_val='big' is not valid: expected float or null"),
     ("trainer.deterministic=maybe", "trainer.deterministic='maybe' is not valid: expected bool, 'warn' or null"),
 ])
 def test_values_the_types_let_through_are_checked(override: str, message: str) -> None:

@@ -85,6 +85,8 @@ def _config_type(annotation: Any) -> Any:
 
 def _describe(annotation: Any) -> str:
     types, literals, none_ok = _accepts(annotation)
+    if float in types and int in types:  # float takes ints too; and Union[int, float] is Union[float, int] when
+        types = [t for t in types if t is not int]  # typing's cache made that first: the order is not ours
     names = [f"list of {typing.get_args(t)[0].__name__}" if typing.get_origin(t) is list else t.__name__
              for t in types]
     names += [repr(v) for v in literals] + (["null"] * none_ok)
