@@ -46,6 +46,7 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics import checkpoint_steps as steps
 from lightning_mics import fabric_checkpoint as fc
 from lightning_mics import frontend as F
+from lightning_mics.precision import sharded_scaler
 from lightning_mics import reliability
 from lightning_mics.config import MiCSOptions, config_from, with_options_signature
 from lightning_mics.materialize import has_meta
@@ -161,9 +162,7 @@ class MiCSStrategy(ParallelStrategy):
                                                 self.root_device, self.options.timeout)
         self._topology = F.build_mesh(self.options, self.world_size, self._ranks_per_node(), self.root_device.type)
         if self.precision.precision == "16-mixed":  # a step that overflows on any rank's shard is skipped on all
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self.precision.scaler = ShardedGradScaler(device=self.root_device.type)
+            self.precision.scaler = sharded_scaler(self.precision.scaler, self.root_device.type)
         _log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
 
     def _set_world_ranks(self) -> None:

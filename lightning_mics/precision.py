@@ -32,6 +32,18 @@ class MiCSHalfPrecision(_ShardedClip, HalfPrecision):
     pass
 
 
+def sharded_scaler(user: Optional[torch.amp.GradScaler], device: str) -> torch.amp.GradScaler:
+    """A ``ShardedGradScaler`` (inf/NaN reduced over all ranks) with the settings of the scaler the user passed
+    (init_scale, growth/backoff factors, growth interval, enabled), so that those settings act."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    if user is None:
+        return ShardedGradScaler(device=device)
+    return ShardedGradScaler(device=device, init_scale=user._init_scale, growth_factor=user._growth_factor,
+                             backoff_factor=user._backoff_factor, growth_interval=user._growth_interval,
+                             enabled=user._enabled)
+
+
 def to_mics_precision(plugin: Precision, device: torch.device) -> Precision:
     """Maps Lightning's generic plugin to ours; any other plugin is refused with a clear message."""
     if isinstance(plugin, _ShardedClip):
@@ -39,9 +51,7 @@ def to_mics_precision(plugin: Precision, device: torch.device) -> Precision:
     if type(plugin) is Precision:
         return MiCSPrecision()
     if type(plugin) is MixedPrecision:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        scaler = ShardedGradScaler(device=device.type) if plugin.precision == "16-mixed" else None
+        scaler = sharded_scaler(plugin.scaler, device.type) if plugin.precision == "16-mixed" else None
         return MiCSMixedPrecision(plugin.precision, device.type, scaler=scaler)
     if type(plugin) is HalfPrecision:
         return MiCSHalfPrecision(plugin.precision)
