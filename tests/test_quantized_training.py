@@ -144,7 +144,7 @@ def test_bf16_mixed_quantized_gradients_within_bound_fp32_masters_int8_replica_t
         assert (quant - plain).norm().item() <= bound + 3 * bf16_noise, (v, (quant - plain).norm().item(), bound,
                                                                           bf16_noise)
         assert bound + 3 * bf16_noise < 0.1 * quant.norm().item()  # and the allowance says something
-        assert not torch.equal(quant, plain)  # the quantization did act
+        assert (quant - plain).norm().item() > bf16_noise  # the quantization did act, beyond bf16's rounding
     for r in res:
         replica = (r["rank"] % 2, r["rank"] % 2 + 2)
         for v, run in zip(variants, r["runs"]):
