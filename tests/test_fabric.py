@@ -10,6 +10,7 @@ another layout, ``load_raw``, and the wrong setup order refused.
 
 import lightning as L
 import pytest
+import torch
 
 from lightning_mics.fabric import MiCSStrategy
 from tests.helpers.launch import REPO, run_ranks
@@ -105,3 +106,28 @@ def test_registered_and_options_checked_before_any_process():
     with pytest.raises(ValueError, match=r"option prefetchh=1 is invalid: allowed is a keyword of"):
         MiCSStrategy(prefetchh=1)
     # (Fabric turns precision="16-mixed" into "bf16-mixed" on CPU: fp16 loss scaling is exercised on CUDA only)
+
+
+def test_quantize_gradients_under_no_backward_sync_within_the_derived_bound(tmp_path):
+    """quantize_gradients=True through lightning_mics.fabric.MiCSStrategy (4 ranks, s = 2, r = 2, accumulation 2
+    under no_backward_sync, 32-element blocks): quant_equiv.py's linear least-squares model, so that the bound of
+    [Note: the equivalence bound] applies: the quantized run's parameters within it (plus twice the unquantized
+    run's own fp32 rounding) of the float64 single-process reference, the unquantized run within 1e-5 of it. The
+    replica group sees the int8 wire (an all-to-all and an all-gather of bytes) once per optimizer step where the
+    unquantized run has its fp32 all-reduce, and never an all-reduce."""
+    case = "quant:2:2:32"
+    res = run_ranks(SCRIPT, 4, ["--world", "4", "--cases", case], tmp_path)
+    r0 = res[0][case]
+    ref = torch.tensor(r0["ref"], dtype=torch.float64)
+    plain, quant = (torch.tensor(run["params"], dtype=torch.float64) for run in r0["runs"])
+    fp32_noise, bound = (plain - ref).norm().item(), r0["bounds"][1]
+    assert fp32_noise <= 1e-5 * ref.norm().item(), fp32_noise
+    dist = (quant - ref).norm().item()
+    assert dist <= bound + 2 * fp32_noise, (dist, bound, fp32_noise)
+    assert dist > 10 * fp32_noise and bound < 0.1 * quant.norm().item(), (dist, bound)  # it acted; bound says something
+    assert all(run["dtypes"] == ["torch.float32"] for run in r0["runs"])  # the state comes from the fp32 masters
+    for r in res:
+        fp32, int8 = r[case]["runs"]
+        assert fp32["replica"] == [["all_reduce", "torch.float32"]], fp32
+        assert int8["replica"] == [["all_gather", "torch.uint8"], ["all_to_all", "torch.uint8"]], int8
+        assert int8["replica_ops"] == 2 * fp32["replica_ops"], (fp32, int8)  # the same sync points, deferred

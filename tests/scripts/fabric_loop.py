@@ -6,7 +6,8 @@ Several cases run one after another in the same processes, each with its own Fab
 file holds one entry per case. Cases: ``equiv:<s>:<accum>:<opt>:<clip>:<setup>[:<precision>]`` (setup: joint =
 ``fabric.setup(model, opt)``, split = setup_module + setup_optimizers, meta = init_module(empty_init=True) +
 split), ``count:<s>:<accum>`` (collectives per step with and without no_backward_sync), ``gan:<s>``,
-``resume:<s>`` (saves halfway into --out, then resumes from each checkpoint), ``load:<s>:<dir>`` (resumes
+``quant:<s>:<accum>:<block>`` (the linear least-squares model of quant_equiv.py with and without
+``quantize_gradients=True``, against its float64 reference and derived bound), ``resume:<s>`` (saves halfway into --out, then resumes from each checkpoint), ``load:<s>:<dir>`` (resumes
 another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused).
 """
 
@@ -347,7 +348,51 @@ def case_nonfinite():
     return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
 
 
-CASES = {"equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
+def case_quant(s, accum, block):
+    """quant_equiv.py's nn.Linear + SGD under the Fabric loop (no_backward_sync while accumulating), unquantized
+    and with quantize_gradients=True; per run the collectives on this rank's replica group (op, dtype) and, on
+    rank 0, the parameters, the float64 reference and the bound of [Note: the equivalence bound]."""
+    from argparse import Namespace
+
+    from tests.scripts import quant_equiv as Q
+    args, A = Namespace(s=int(s), steps=6, batch=4), int(accum)
+    x, y = Q.data(WORLD, args.batch, args.steps, A)
+    variants = [{"accum": A}, {"accum": A, "quantize_gradients": True, "quantization_block_size": int(block)}]
+    out = {"runs": []}
+    for v in variants:
+        opts = {k: val for k, val in v.items() if k != "accum"}
+        fabric = L.Fabric(accelerator="cpu", devices=WORLD, precision="32-true", strategy=MiCSStrategy(
+            sharded_data_parallel_degree=int(s), param_persistence_threshold=0,
+            reduce_bucket_size=Q.D_IN * Q.D_OUT, **opts))
+        fabric.launch()
+        rank = fabric.global_rank
+        model = fabric.setup_module(Q.build())
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=Q.LR))
+        replica = tuple(fabric.strategy.topology.layout.replica_group_of(rank))
+        counter = CommCounter()
+        with counter:
+            for step in range(args.steps):
+                idx = Q.window_batches(args, WORLD, step, A)[rank]
+                for m in range(A):
+                    with fabric.no_backward_sync(model, enabled=m < A - 1):
+                        fabric.backward(Fn.mse_loss(model(x[idx[m]]), y[idx[m]]) / A)
+                opt.step()
+                opt.zero_grad()
+        on_replica = [(op, str(dt)) for (op, g, _), dt in zip(counter.events, counter.dtypes)
+                      if g is not None and tuple(g) == replica]
+        run = {"replica": sorted(set(on_replica)), "replica_ops": len(on_replica)}
+        final = full_state(fabric, model)
+        if rank == 0:
+            run["params"] = torch.cat([final["weight"].reshape(-1), final["bias"].reshape(-1)]).tolist()
+            run["dtypes"] = sorted({str(t.dtype) for t in final.values()})
+        out["runs"].append(run)
+    if fabric.global_rank == 0:
+        ref, bounds = Q.reference_and_bounds(args, WORLD, x, y, variants, A)
+        out["ref"], out["bounds"] = ref.tolist(), bounds
+    return out
+
+
+CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
          "order": case_order, "nonfinite": case_nonfinite}
 
 

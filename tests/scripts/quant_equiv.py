@@ -169,7 +169,7 @@ def run_variant(args, variant, world, rank, train):
     strategy = MiCSStrategy(sharded_data_parallel_degree=s, param_persistence_threshold=0,
                             reduce_bucket_size=D_IN * D_OUT, state_dict_type="full", **variant)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=args.steps,
-                        accumulate_grad_batches=accum, precision="32-true", limit_val_batches=0,
+                        accumulate_grad_batches=accum, precision=args.precision, limit_val_batches=0,
                         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
                         logger=False, enable_checkpointing=False, callbacks=[counter],
                         use_distributed_sampler=False)
@@ -177,8 +177,10 @@ def run_variant(args, variant, world, rank, train):
     module = Module()
     trainer.fit(module, train)
     full = trainer.strategy.lightning_module_state_dict()
-    out = {"comms": counter.per_batch, "stats": dict(trainer.strategy.comm_stats)}
+    out = {"comms": counter.per_batch, "stats": dict(trainer.strategy.comm_stats),
+           "param_dtypes": sorted({str(p.dtype) for p in module.parameters()})}
     if rank == 0:
+        out["dtypes"] = sorted({str(v.dtype) for v in full.values()})
         out["params"] = torch.cat([full["model.weight"].reshape(-1), full["model.bias"].reshape(-1)]).tolist()
     return out
 
@@ -189,6 +191,7 @@ def main():
     ap.add_argument("--s", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--precision", default="32-true", help="the Trainer's precision for every variant")
     ap.add_argument("--variants", required=True,
                     help="JSON list of strategy options, each with its 'accum' (accumulate_grad_batches)")
     args = ap.parse_args()
