@@ -140,9 +140,7 @@ class MiCSStrategy(ParallelStrategy):
         if type(self.precision) not in (Precision, MixedPrecision, HalfPrecision) or precision not in _PRECISIONS:
             raise ValueError(f"Fabric precision plugin {type(self.precision).__name__} (precision={precision!r}) "
                              f"is not supported by MiCSStrategy: allowed precision is one of {_PRECISIONS}.")
-        if self.options.stop_on_nonfinite and precision == "16-mixed":
-            _fail("stop_on_nonfinite", True, "False with precision='16-mixed' (the loss scaler skips a step with "
-                  "inf/NaN gradients on every rank)")
+        F.check_precision(self.options, precision)
         return self.options.validate_world(self.num_nodes * self.num_processes, self._ranks_per_node())
 
     @override

@@ -70,6 +70,14 @@ def connect(cluster_environment: Any, backend: Optional[str], device: torch.devi
     return backend
 
 
+def check_precision(options: MiCSOptions, precision: Optional[str]) -> None:
+    """Options that a precision rules out, refused before any process starts (both front ends)."""
+    if options.stop_on_nonfinite and precision == "16-mixed":
+        raise ValueError("MiCSStrategy option stop_on_nonfinite=True is invalid with precision='16-mixed': "
+                         "allowed is False there (the loss scaler skips a step with inf/NaN gradients on every "
+                         "rank and lowers the scale); True with any other precision.")
+
+
 def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, device_type: str) -> Topology:
     """The (replicate, shard[, tp]) mesh for this world. Collective: call after the process group exists.
     With ``shard_optimizer_state`` the shards go over all W ranks ([Note: optimizer-state-only sharding])."""

@@ -189,10 +189,7 @@ class MiCSStrategy(ParallelStrategy):
             # torchrun (or srun) a mismatch would otherwise surface at setup as a misleading layout error
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         self._validate_layout()  # before any process is launched: every rank would raise alike anyway
-        if self.options.stop_on_nonfinite and self.precision_plugin.precision == "16-mixed":
-            raise ValueError("MiCSStrategy option stop_on_nonfinite=True is invalid with precision='16-mixed': "
-                             "allowed is False there (the loss scaler skips a step with inf/NaN gradients on every "
-                             "rank and lowers the scale); True with any other precision.")
+        F.check_precision(self.options, self.precision_plugin.precision)
         if not self.cluster_environment.creates_processes_externally:
             if self._start_method == "popen":
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,

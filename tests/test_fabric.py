@@ -105,7 +105,13 @@ def test_registered_and_options_checked_before_any_process():
         MiCSStrategy(tensor_parallel_degree=2)
     with pytest.raises(ValueError, match=r"option prefetchh=1 is invalid: allowed is a keyword of"):
         MiCSStrategy(prefetchh=1)
-    # (Fabric turns precision="16-mixed" into "bf16-mixed" on CPU: fp16 loss scaling is exercised on CUDA only)
+    # the same refusal as under the Trainer (frontend.check_precision), with fp16 through an explicit CPU plugin
+    # (Fabric turns precision="16-mixed" into "bf16-mixed" on CPU; tests/test_fabric_fp16.py trains that way)
+    from lightning.fabric.plugins.precision import MixedPrecision
+
+    with pytest.raises(ValueError, match=r"stop_on_nonfinite=True is invalid with precision='16-mixed'"):
+        L.Fabric(accelerator="cpu", devices=2, strategy=MiCSStrategy(stop_on_nonfinite=True),
+                 plugins=MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu")))
 
 
 def test_quantize_gradients_under_no_backward_sync_within_the_derived_bound(tmp_path):
