@@ -91,6 +91,7 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
               "--marks", str(sock)]
     for k in ("width", "layers", "heads", "vocab", "seq", "batch", "steps", "warmup"):
         script += [f"--{k}", str(getattr(args, k))]
+    script += ["--timeline"] if args.timeline else []
     rec: Dict[str, Any] = dict(case=case, rate_mbit=rate, accum=accum, warmup=args.warmup, load=loadavg())
     t0 = time.time()
     with StepMarks(hosts, sock) as marks:

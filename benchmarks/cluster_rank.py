@@ -39,7 +39,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,8 +60,9 @@ _WRAPPED = {"all_reduce": 0, "all_gather_single": 0, "all_gather_into_tensor": 0
 class CommClock:
     """Counts and times collectives per ``op/scope`` ([Note: time waiting on communication])."""
 
-    def __init__(self, ranks_per_host: int = RANKS_PER_HOST) -> None:
+    def __init__(self, ranks_per_host: int = RANKS_PER_HOST, timeline: bool = False) -> None:
         self.ranks_per_host = ranks_per_host
+        self.timeline: Optional[List[List[Any]]] = [] if timeline else None  # [t, event, op/scope, bytes]
         self.window: Dict[str, List[float]] = defaultdict(lambda: [0, 0, 0.0])  # calls, bytes, seconds blocked
         self._pending: Dict[int, Any] = {}  # id(work) -> (key, work): an asynchronous collective not waited yet
         self._scopes: Dict[int, str] = {}
@@ -90,6 +91,8 @@ class CommClock:
             out = original_wait(work, *a, **k)
             if entry is not None:
                 clock.window[entry[0]][2] += time.perf_counter() - t0
+                clock.stamp("wait", entry[0], 0, t0)
+                clock.stamp("waited", entry[0], 0)
             return out
 
         work_cls.wait = wait
@@ -111,13 +114,25 @@ class CommClock:
             entry[1] += tensor.numel() * tensor.element_size()
             t0 = time.perf_counter()
             out = fn(*a, **k)
+            nbytes = tensor.numel() * tensor.element_size()
+            self.stamp("issue", key, nbytes, t0)
             if bound.get("async_op"):
                 self._pending[id(out)] = (key, out)
+                if self.timeline is not None:  # completion, seen from gloo's thread (where the Work has a future)
+                    try:
+                        out.get_future().add_done_callback(lambda _f, key=key: self.stamp("done", key, 0))
+                    except RuntimeError:  # e.g. gloo's reduce-scatter: its completion is seen at its wait only
+                        pass
             else:
                 entry[2] += time.perf_counter() - t0
+                self.stamp("done", key, 0)
             return out
 
         return call
+
+    def stamp(self, event: str, key: str, nbytes: int, t: Optional[float] = None) -> None:
+        if self.timeline is not None:
+            self.timeline.append([time.perf_counter() if t is None else t, event, key, nbytes])
 
     def take(self) -> Dict[str, Any]:
         """The window since the last call: ``{op/scope: {calls, bytes, wait_s}}`` (+ ``ddp_exposed_s``), reset."""
@@ -211,7 +226,7 @@ def run(args: argparse.Namespace) -> None:
 
     from twohosts import ask_mark
 
-    clock = CommClock()
+    clock = CommClock(timeline=args.timeline)
     clock.install()
     case = args.case
 
@@ -232,6 +247,7 @@ def run(args: argparse.Namespace) -> None:
             if trainer.global_step == len(self.ends):
                 return  # inside an accumulation window
             self.ends.append(time.time())
+            clock.stamp("step", "", trainer.global_step)
             self.comm.append(clock.take())
             self.telemetry.append(dict(getattr(trainer.strategy, "comm_stats", {}) or {}))
             if args.marks:
@@ -253,7 +269,8 @@ def run(args: argparse.Namespace) -> None:
                         use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=args.batch))
     out = dict(rank=trainer.global_rank, case=case, ends=timer.ends, resumes=timer.resumes, comm=timer.comm,
-               telemetry=timer.telemetry, n_params=module.n_params, global_step=trainer.global_step)
+               telemetry=timer.telemetry, n_params=module.n_params, global_step=trainer.global_step,
+               timeline=clock.timeline)
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
@@ -268,6 +285,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch", type=int, default=4, help="micro-batch (sequences) per rank")
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run")
     ap.add_argument("--warmup", type=int, default=1, help="optimizer steps before the timed ones (>= 1)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="stamp every collective's issue, completion and wait in rank<k>.json (benchmarks/timeline.py)")
     return ap
 
 
