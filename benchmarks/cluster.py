@@ -46,6 +46,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 from cluster_rank import CASES, parser as model_parser  # noqa: E402
+from timeline import phases, phases_table  # noqa: E402
 
 PEERS = ("ddp", "fsdp2_full", "fsdp2_hsdp")
 NOT_HERE = {
@@ -113,7 +114,8 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
         return rec
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
     rec["n_params"] = ranks[0]["n_params"]
-    rec["ranks"] = [dict(ends=r["ends"], resumes=r["resumes"], comm=r["comm"]) for r in ranks]
+    rec["ranks"] = [dict(ends=r["ends"], resumes=r["resumes"], comm=r["comm"], timeline=r.get("timeline"))
+                    for r in ranks]
     rec["telemetry"] = ranks[0]["telemetry"][-1]
     rec["link_steps"] = per_step(marks.marks, args.warmup + 1, last)
     return rec
@@ -159,6 +161,7 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
                    probe_mbit=statistics.median(r.get("probe_mbit", 0.0) for r in recs),
                    load1=[min(r["load"][0] for r in recs), max(r["load"][0] for r in recs)])
         row["step_over_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
+        row.update(phases(recs))  # [Note: what holds a step] in timeline.py, where the runs have a timeline
         rows.append(row)
     add_ratios(rows)
     order = {c: i for i, c in enumerate(CASES)}
@@ -248,7 +251,11 @@ def report(folder: Path, command: str) -> List[Dict[str, Any]]:
     text = [f"Command: `{command}`", "",
             f"GPT {n / 1e6:.1f}M parameters, AdamW, fp32, 4 ranks on 2 hosts; {len(records)} runs, 1-minute load "
             f"average {min(loads):.1f} to {max(loads):.1f}. Best peer: the fastest of {', '.join(PEERS)}.", "",
-            table(rows), "", "Peers that cannot run here:"]
+            table(rows), ""]
+    if any("link_span_s" in r for r in rows):
+        text += ["What holds the step ([Note: what holds a step] in benchmarks/timeline.py), medians over ranks and "
+                 "timed steps:", "", phases_table(rows), ""]
+    text += ["Peers that cannot run here:"]
     text += [f"- {k}: {v}" for k, v in NOT_HERE.items()]
     text += ["", "Failed runs:"] + [f"- {x}" for x in failed] if failed else []
     (folder / "table.md").write_text("\n".join(text) + "\n")

@@ -256,6 +256,7 @@ def run(args: argparse.Namespace) -> None:
                     self.conn = ask_mark(args.marks, trainer.global_step, self.conn)
                 dist.barrier()
             self.resumes.append(time.time())
+            clock.stamp("resume", "", trainer.global_step)
 
     rank = int(os.environ["RANK"])
     steps = args.warmup + args.steps
