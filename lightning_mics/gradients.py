@@ -296,6 +296,9 @@ def _local_grad(p: Any) -> Optional[Tensor]:
 # every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
 # order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
 # adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
+# The world all-reduce of the used-flags (and of the replicated parameters' last bucket) is issued at the end
+# of backward before anything is waited for, so its round trip across the slow link overlaps the replica
+# all-reduce's transfer instead of following it.
 #
 # [Note: quantized replica sync]
 # With ``quantize_gradients`` each bucket's replica all-reduce is two collectives on the replica group with local
@@ -393,11 +396,12 @@ class GradientPath:
         flags: did any rank get a gradient?, so that a parameter no rank used keeps ``grad=None``)."""
         while self._sync_cursor < len(self._sync_order):  # what the backward did not issue, in the same order
             self._issue_next_replica_sync()
+        flags = [g.got_grad[list(g.trainable())] for g in self.all]  # final: every reduction of the window is in
+        self.reducer.launch_rest(torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool))
         for g in self._sync_order:
             g.finish_replica_sync()
         self._sync_cursor = 0
-        flags = [g.got_grad[list(g.trainable())] for g in self.all]
-        got = self.reducer.finish(torch.cat(flags) if flags else torch.zeros(0, dtype=torch.bool))
+        got = self.reducer.finish()
         start = 0
         for g in self.all:
             n = len(g.trainable())

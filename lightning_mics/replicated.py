@@ -9,9 +9,9 @@ order backward produces them), of at most ``min(reduce_bucket_size, DDP's 25 MiB
 (async, world group, pre-scaled by 1/W) as soon as all its parameters are ready and buckets 0..k-1 have gone,
 so every rank issues the same collectives in the same order. The last bucket also carries one flag per
 trainable parameter of the whole model (did this rank produce a gradient in the window?) and goes at the end of
-backward, when every flag is known; a parameter no rank produced a gradient for keeps ``grad=None``, as in one
-plain process. After the wait, each summed gradient is added to the DTensor parameter's ``.grad`` (set where
-it is None).
+backward, when every flag is known, before anything is waited for (``launch_rest``, then ``finish``); a
+parameter no rank produced a gradient for keeps ``grad=None``, as in one plain process. After the wait, each
+summed gradient is added to the DTensor parameter's ``.grad`` (set where it is None).
 """
 
 from __future__ import annotations
@@ -83,12 +83,18 @@ class ReplicatedReducer:
             work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
         self._launched.append(_Launched(bucket, buf, flags.numel(), work))
 
-    def finish(self, extra_flags: Tensor) -> Tensor:
-        """End of the boundary backward: launches what is left (the last bucket with ``extra_flags``), waits,
-        publishes the replicated gradients; returns ``extra_flags`` summed over the world."""
+    def launch_rest(self, extra_flags: Tensor) -> None:
+        """End of the boundary backward: launches what is left, the last bucket with ``extra_flags`` (async;
+        ``finish`` waits). Issued before the caller waits on anything else, so that this small all-reduce's
+        latency overlaps the replica all-reduce's transfer ([Note: replica sync overlap] in gradients.py)."""
         buckets = self._buckets if self._buckets is not None else self._layout()
+        self._buckets = buckets
         for k in range(len(self._launched), len(buckets)):
             self._launch(buckets[k], extra_flags if k == len(buckets) - 1 else None)
+
+    def finish(self) -> Tensor:
+        """Waits for every launched bucket, publishes the replicated gradients; returns the ``extra_flags`` of
+        ``launch_rest`` summed over the world."""
         extra = torch.zeros(0)
         for launched in self._launched:
             C.wait(launched.work, self.log)
