@@ -110,11 +110,11 @@ class CommClock:
             key = f"{name}/{self.scope(bound.get('group'))}"
             tensor = a[arg] if len(a) > arg else bound[list(sig.parameters)[arg]]
             entry = self.window[key]
+            nbytes = tensor.numel() * tensor.element_size()
             entry[0] += 1
-            entry[1] += tensor.numel() * tensor.element_size()
+            entry[1] += nbytes
             t0 = time.perf_counter()
             out = fn(*a, **k)
-            nbytes = tensor.numel() * tensor.element_size()
             self.stamp("issue", key, nbytes, t0)
             if bound.get("async_op"):
                 self._pending[id(out)] = (key, out)

@@ -42,8 +42,8 @@ def _blocks(rows: torch.Tensor, start: int, nb: int, length: int) -> torch.Tenso
 
 
 def _input(tensors: Sequence[torch.Tensor], L: QuantLayout, residual: torch.Tensor | None) -> torch.Tensor:
-    """The (r, c) fp32 chunk rows: the tensors in order (+ residual), zero-padded; the input itself, unread
-    and uncopied, when it already is one fp32 tensor of r * c elements."""
+    """The (r, c) fp32 chunk rows: the tensors in order (+ residual), zero-padded; a view of the input itself
+    (read only, not copied) when it already is one contiguous fp32 tensor of r * c elements."""
     n = L.numel
     if residual is None and len(tensors) == 1 and tensors[0].dtype == torch.float32 \
             and tensors[0].is_contiguous() and n == L.num_chunks * L.chunk:
