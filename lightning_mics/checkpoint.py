@@ -218,13 +218,16 @@ def _optimizer_target(module: nn.Module, index: Metadata, key: str, path: Path,
 
 
 def load_sharded(path: Path, index: Metadata, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
-                 strict: bool, weights_only: Optional[bool], engine: Optional[MiCSEngine] = None) -> Dict[str, Any]:
+                 strict: bool, weights_only: Optional[bool], engine: Optional[MiCSEngine] = None,
+                 extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """Reads this rank's part of a sharded checkpoint ([Note: resharding]). The module's own shards are read in
-    place; optimizer state into new tensors, returned by name for ``load_optimizer_by_name``. Key mismatches are
-    raised before DCP's collectives (every rank sees the same index). Collective over the world."""
+    place; optimizer state into new tensors, returned by name for ``load_optimizer_by_name``; ``extra``: more
+    top-level entries to read (this rank's own tensors). Key mismatches are raised before DCP's collectives
+    (every rank sees the same index). Collective over the world."""
     state: Dict[str, Any] = {"state_dict": _model_target(path, index, "state_dict", module, strict, engine)}
     for i in range(len(optimizers)):
         state[f"optimizer_{i}"] = _optimizer_target(module, index, f"optimizer_{i}", path, engine)
+    state.update(extra or {})
     dcp.load(state, storage_reader=files.SafeReader(path),
              planner=files.LoadPlanner(weights_only=weights_only is not False))
     return state
@@ -247,13 +250,14 @@ def _model_target(path: Path, index: Metadata, key: str, module: nn.Module, stri
 
 
 def load_sharded_entries(path: Path, index: Metadata, modules: Dict[str, tuple], optimizers: Dict[str, tuple],
-                         strict: bool, weights_only: Optional[bool]) -> None:
+                         strict: bool, weights_only: Optional[bool], extra: Optional[Dict[str, Any]] = None) -> None:
     """Fabric's sharded checkpoint: ``modules`` = {key: (module, engine)} read in place, ``optimizers`` =
     {key: (module, optimizer, engine)} loaded by name, each from the entries saved under its key (any saved
-    layout: [Note: resharding]). Collective over the world."""
+    layout: [Note: resharding]); ``extra``: more top-level entries, read in place. Collective over the world."""
     state: Dict[str, Any] = {k: _model_target(path, index, k, m, strict, e) for k, (m, e) in modules.items()}
     for key, (module, _, engine) in optimizers.items():
         state[key] = _optimizer_target(module, index, key, path, engine)
+    state.update(extra or {})
     dcp.load(state, storage_reader=files.SafeReader(path),
              planner=files.LoadPlanner(weights_only=weights_only is not False))
     for key, (module, optimizer, engine) in optimizers.items():
@@ -288,11 +292,12 @@ def load_optimizer_by_name(module: nn.Module, optimizer: torch.optim.Optimizer, 
 
 
 def save_sharded(checkpoint: Dict[str, Any], path: Path, token: str, *, coordinator: bool,
-                 layout: Dict[str, Any]) -> None:
+                 layout: Dict[str, Any], extra: Optional[Dict[str, Any]] = None) -> None:
     """Writes ``checkpoint`` (Lightning's dict; its ``state_dict`` and ``optimizer_states`` by name, in shards) as
-    a sharded checkpoint at ``path`` ([Note: checkpoint layout], [Note: crash-safe save]). Collective over the
-    world; ``coordinator`` (global rank 0) writes Lightning's metadata and publishes."""
-    state: Dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+    a sharded checkpoint at ``path`` ([Note: checkpoint layout], [Note: crash-safe save]); ``extra``: more
+    top-level entries (tensors) through DCP. Collective over the world; ``coordinator`` (global rank 0) writes
+    Lightning's metadata and publishes."""
+    state: Dict[str, Any] = {"state_dict": checkpoint.pop("state_dict"), **(extra or {})}
     optimizer_states = checkpoint.pop("optimizer_states", None)
     for i, osd in enumerate(optimizer_states or []):
         state[f"optimizer_{i}"] = osd

@@ -158,9 +158,10 @@ class MiCSEngine:
         if self.activations is not None:
             self.activations.remove()
 
-    def reset(self) -> None:
-        """After an exception: every unit back to SHARDED locally, no collective (peers may be gone)."""
-        self.grads.reset()
+    def reset(self, keep_feedback: bool = False) -> None:
+        """After an exception: every unit back to SHARDED locally, no collective (peers may be gone).
+        ``keep_feedback``: after a run that ended well, the error-feedback residuals stay for the next one."""
+        self.grads.reset(keep_feedback)
         self.hooks.reset()
         for unit in self.units:
             unit.drop()

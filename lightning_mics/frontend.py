@@ -112,7 +112,7 @@ def shard(module: nn.Module, topology: Topology, options: MiCSOptions, device: t
     previous = ENGINES.get(module)
     if previous is not None and previous.topo is topology and previous.options == options \
             and previous.device == device:
-        previous.reset()
+        previous.reset(keep_feedback=True)  # a failed run dropped them already
         return previous
     with torch.inference_mode(False):
         if previous is not None:
@@ -233,7 +233,7 @@ def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.
     parallelism, or any after a failure (no collective: a peer may be gone) stays sharded with every unit
     released. Returns True when it stays sharded (the engine stays, for checkpoints and state dicts)."""
     if failed or not fits_whole(engine, options):
-        engine.reset()
+        engine.reset(keep_feedback=not failed)
         return True
     make_plain(engine, optimizers)
     return False

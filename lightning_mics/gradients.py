@@ -68,13 +68,14 @@ class UnitGrads:
     def trainable(self) -> Tuple[int, ...]:
         return self.unit.trainable()
 
-    def drop(self) -> None:
+    def drop(self, keep_feedback: bool = False) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone)."""
         self.needs_reduce = False
         self.accum = self.late = None
         self.replica_issued = False
         self._replica_work.clear()
-        self._residuals.clear()  # a failed step may have left a residual half-used
+        if not keep_feedback:
+            self._residuals.clear()  # a failed step may have left a residual half-used
         self.stash = [None] * len(self.params)
         self.got_grad.zero_()
 
@@ -238,6 +239,21 @@ class UnitGrads:
         """The error-feedback state this rank keeps (model-state accounting)."""
         return [t for res in self._residuals.values() for t in res]
 
+    def residual_state(self) -> Dict[Tuple[int, ...], Q.Residual]:
+        """This rank's error-feedback residuals by bucket ([Note: residuals in checkpoints] in feedback_state.py)."""
+        return dict(self._residuals)
+
+    def restore_residuals(self, state: Dict[Tuple[int, ...], Q.Residual]) -> None:
+        """Takes ``state`` (``residual_state`` of a run with this layout) as this rank's residuals; a bucket whose
+        residual has another size than its flat (another model) is refused before anything is taken."""
+        for slots, res in state.items():
+            n = sum(self.params[i].rows.padded_numel for i in slots) if max(slots) < len(self.params) else -1
+            if res.contribution.numel() != n:
+                raise ValueError(f"an error-feedback residual of {res.contribution.numel()} elements was saved for "
+                                 f"parameters {list(slots)[:6]} of unit {type(self.unit.module).__name__}, whose "
+                                 f"shards hold {n} elements here: the checkpoint is of another model")
+        self._residuals = dict(state)
+
     def finish_replica_sync(self) -> None:
         """Waits for the replica all-reduce (issuing it first if nothing did); a contribution reduced after it
         was issued (``late``) is all-reduced now and added: AR(a) + AR(b) = AR(a + b)."""
@@ -307,8 +323,8 @@ def _local_grad(p: Any) -> Optional[Tensor]:
 # all-gather when the next unit's is (or at the end of backward), so both overlap the backward that remains, and
 # every rank issues one sequence on the group: all-to-all(u0), all-gather(u0), all-to-all(u1), ... . A late part
 # is reduced the same way (two quantizations, each within its bound). ``"error_feedback"`` keeps one residual per
-# bucket (``UnitGrads._residuals``, in the accumulator's dtype), dropped after a failure and not part of
-# checkpoints: a resumed run restarts it from zero.
+# bucket (``UnitGrads._residuals``, in the accumulator's dtype), dropped after a failure; a sharded checkpoint
+# carries them ([Note: residuals in checkpoints] in feedback_state.py).
 class GradientPath:
     """The gradient path of every unit: the reduce queue, the replica all-reduce's order, the 2-hop sync at the
     boundary, and the replicated parameters' reducer ([Note: replicated gradients] in replicated.py)."""
@@ -408,10 +424,11 @@ class GradientPath:
             g.publish(got[start:start + n])
             start += n
 
-    def reset(self) -> None:
-        """After an exception: nothing pending, every unit's gradient state dropped (no collective)."""
+    def reset(self, keep_feedback: bool = False) -> None:
+        """After an exception: nothing pending, every unit's gradient state dropped (no collective).
+        ``keep_feedback``: the error-feedback residuals stay (the last step completed: they are whole)."""
         self._pending_reduces.clear()
         self._sync_cursor = 0
         self.reducer.reset()
         for g in self.all:
-            g.drop()
+            g.drop(keep_feedback)

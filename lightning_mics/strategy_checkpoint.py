@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import checkpoint_files as files
 from lightning_mics import checkpoint_steps as steps
+from lightning_mics import feedback_state as feedback
 from lightning_mics.frontend import unwrap
 
 if TYPE_CHECKING:
@@ -89,8 +90,12 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
     if strategy.options.state_dict_type == "sharded":
         steps.refuse_remote_sharded(path, storage_options)
         checkpoint["state_dict"] = _as_sharded_state(strategy, checkpoint.get("state_dict"))
-        layout = {"world_size": strategy.world_size, "shard_size": strategy._shard_size}
-        ckpt.save_sharded(checkpoint, Path(path), token, coordinator=strategy.is_global_zero, layout=layout)
+        engine = strategy._live_engine()
+        layout = {"world_size": strategy.world_size, "shard_size": strategy._shard_size,
+                  "error_feedback": {"model": feedback.layout(engine)}}
+        residuals = feedback.state(engine, strategy.global_rank)  # [Note: residuals in checkpoints]
+        ckpt.save_sharded(checkpoint, Path(path), token, coordinator=strategy.is_global_zero, layout=layout,
+                          extra={feedback.KEY: {"model": residuals}} if residuals else None)
         return
     checkpoint[files.MARKER] = files.marker("full")
     io = strategy.checkpoint_io
@@ -118,13 +123,20 @@ def load_checkpoint(strategy: Strategy, checkpoint_path: Any, weights_only: Opti
         checkpoint_path, weights_only, loader=lambda p: io.load_checkpoint(p, weights_only=weights_only),
         check=lambda p, m: _check_optimizer_count(strategy, p, m))
     strategy._loaded_from = str(path)
+    engine = strategy._live_engine()
     if full is not None:
+        feedback.warn_full(engine, path)
         return full
     assert meta is not None and index is not None
     optimizers = _optimizers_to_restore(strategy, meta)
     module = strategy.lightning_module
+    saved = (meta[files.MARKER].get("error_feedback") or {}).get("model")
+    residuals = feedback.targets(index, "model", engine, saved, strategy.global_rank, path)
     state = ckpt.load_sharded(path, index, module, optimizers, strict=module.strict_loading,
-                              weights_only=weights_only, engine=strategy._live_engine())
+                              weights_only=weights_only, engine=engine,
+                              extra=None if residuals is None else {feedback.KEY: {"model": residuals}})
+    if residuals is not None:
+        feedback.restore(engine, residuals)
     meta["state_dict"] = state["state_dict"]
     if meta[files.MARKER].get("optimizers") is not None:
         meta["optimizer_states"] = [state[f"optimizer_{i}"] for i in range(len(optimizers))]

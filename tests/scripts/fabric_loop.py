@@ -8,12 +8,15 @@ file holds one entry per case. Cases: ``equiv:<s>:<accum>:<opt>:<clip>:<setup>[:
 split), ``count:<s>:<accum>`` (collectives per step with and without no_backward_sync), ``gan:<s>``,
 ``quant:<s>:<accum>:<block>`` (the linear least-squares model of quant_equiv.py with and without
 ``quantize_gradients=True``, against its float64 reference and derived bound), ``resume:<s>`` (saves halfway into --out, then resumes from each checkpoint), ``load:<s>:<dir>`` (resumes
-another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused).
+another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused),
+``feedback:<s>`` / ``feedback_load:<s>:<block>`` (``resume`` with error-feedback quantization; its
+checkpoint loaded with another block size).
 """
 
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -318,6 +321,56 @@ def case_load(s, src):
     return out
 
 
+EF = {"quantize_gradients": "error_feedback", "quantization_block_size": 32}
+
+
+def _resume_feedback(fabric, path, data):
+    """A fresh model and optimizer loaded from ``path`` and trained to STEPS; (full state, error-feedback
+    warnings raised by the load)."""
+    torch.manual_seed(99)
+    model = fabric.setup_module(Tiny())
+    opt = fabric.setup_optimizers(optimizer("sgd", model.parameters()))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(path, state)
+    fabric_steps(fabric, model, opt, data, "none", state["step"], STEPS)
+    return full_state(fabric, model), [str(w.message) for w in caught if "error-feedback residuals" in str(w.message)]
+
+
+def case_feedback(s):
+    """quantize_gradients='error_feedback' in 32-element blocks: saves halfway (sharded directory and full file),
+    trains on; fresh models resume from each. Per format: the resumed run against the uninterrupted one, the
+    warnings of the load, and (sharded) which ranks' residuals the directory holds."""
+    half, out = STEPS // 2, {}
+    for fmt in ("sharded", "full"):
+        fabric = new_fabric(int(s), state_dict_type=fmt, **EF)
+        model, opt, _ = setup(fabric, "split", "sgd")
+        data = batches(2)
+        fabric_steps(fabric, model, opt, data, "none", 0, half)
+        path = OUT / f"ef-{fmt}" if fmt == "sharded" else OUT / "ef-full.pt"
+        fabric.save(path, {"model": model, "optimizer": opt, "step": half})
+        fabric_steps(fabric, model, opt, data, "none", half, STEPS)
+        straight = full_state(fabric, model)
+        resumed, warned = _resume_feedback(fabric, path, data)
+        if fabric.global_rank == 0:
+            out[fmt] = {"rel": compare(resumed, straight), "warned": warned}
+            if fmt == "sharded":
+                from lightning_mics import checkpoint_files as files
+                from lightning_mics.feedback_state import KEY
+                index = files.read_index(path)
+                out[fmt]["ranks"] = sorted({p[2] for p in index.planner_data.values() if p[0] == KEY})
+    return out
+
+
+def case_feedback_load(s, block):
+    """The sharded checkpoint of ``feedback`` (32-element blocks) resumed with ``block``-element blocks: the
+    residuals are laid out for other blocks, so they restart from zero, with a warning."""
+    fabric = new_fabric(int(s), **{**EF, "quantization_block_size": int(block)})
+    _, warned = _resume_feedback(fabric, OUT / "ef-sharded", batches(2))
+    return {"warned": warned}
+
+
 def case_order():
     fabric = new_fabric(WORLD)
     model = Tiny()
@@ -393,7 +446,7 @@ def case_quant(s, accum, block):
 
 
 CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
-         "order": case_order, "nonfinite": case_nonfinite}
+         "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback, "feedback_load": case_feedback_load}
 
 
 def main():

@@ -1,0 +1,102 @@
+"""Error-feedback residuals in sharded checkpoints: what is saved, and when a load may take it back.
+
+[Note: residuals in checkpoints]
+With ``quantize_gradients="error_feedback"`` every rank keeps, per gradient bucket, the rounding error of its last
+quantized contribution and of its reduced chunk ([Note: error feedback] in quantized.py). They are this rank's
+own: laid out like its shard of the bucket, and different on every replica. A sharded checkpoint holds them under
+``KEY``::
+
+    {KEY: {<module key>: {"rank<k>": {"u<unit>_<slots>": {"contribution": tensor, "reduced": tensor}}}}}
+
+each rank writing only its own keys (so DCP writes each once), and the layout that made them (``layout``: world
+size, s, t, bucket size, block size, reduce dtype, units) in the checkpoint's marker. A load into the same layout
+takes them back, so a resumed run is the uninterrupted one. A load into another layout, from a full checkpoint
+(which holds what one plain process has: nothing per rank) or from a checkpoint saved without error feedback
+starts them from zero with a warning. That costs the rounding error of one quantization once, within the bound of
+[Note: error feedback]; it does not accumulate.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_mics import quantized as Q
+from lightning_mics.checkpoint_files import set_element
+from lightning_mics.engine import MiCSEngine
+
+KEY = "mics_error_feedback"
+
+
+def layout(engine: Optional[MiCSEngine]) -> Optional[Dict[str, Any]]:
+    """What the residuals of ``engine`` depend on; None when it keeps none."""
+    if engine is None or engine.options.quantize_gradients != "error_feedback":
+        return None
+    lay, o = engine.topo.layout, engine.options
+    return {"world_size": lay.world_size, "shard_size": lay.shard_size, "tp_size": lay.tp_size,
+            "bucket_size": o.reduce_bucket_size, "block_size": o.quantization_block_size,
+            "reduce_dtype": str(o.reduce_dtype), "units": len(engine.units)}
+
+
+def state(engine: Optional[MiCSEngine], rank: int) -> Dict[str, Any]:
+    """This rank's residuals (the tensors themselves), as they go under ``KEY`` / the module's key; {} if none."""
+    if layout(engine) is None:
+        return {}
+    mine = {f"u{i}_{'-'.join(map(str, slots))}": {"contribution": res.contribution, "reduced": res.reduced}
+            for i, g in enumerate(engine.grads.all) for slots, res in g.residual_state().items()}
+    return {f"rank{rank}": mine} if mine else {}
+
+
+def targets(index: Metadata, key: str, engine: Optional[MiCSEngine], saved: Optional[Dict[str, Any]], rank: int,
+            where: Any) -> Optional[Dict[str, Any]]:
+    """Empty tensors to read this rank's residuals of the module saved under ``key`` into, or None (warned once
+    when ``engine`` keeps residuals that cannot be taken back: see the note). ``saved``: the layout in the
+    checkpoint's marker for ``key``."""
+    want = layout(engine)
+    if want is None:
+        return None
+    if saved != want:
+        why = ("it was saved without quantize_gradients='error_feedback'" if saved is None
+               else f"they were made in another layout ({_diff(saved, want)})")
+        _restart(where, why)
+        return None
+    target: Dict[str, Any] = {}
+    for flat, md in index.state_dict_metadata.items():
+        path = index.planner_data.get(flat)
+        if path and tuple(path[:3]) == (KEY, key, f"rank{rank}"):
+            set_element(target, tuple(path[2:]), torch.empty(tuple(md.size), dtype=md.properties.dtype,
+                                                             device=engine.device))
+    return target
+
+
+def restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:
+    """Takes back what ``targets`` read (this rank's residuals, by unit and bucket)."""
+    by_unit: Dict[int, Dict[Tuple[int, ...], Q.Residual]] = defaultdict(dict)
+    for name, parts in (item for mine in loaded.values() for item in mine.items()):
+        unit, slots = name[1:].split("_", 1)
+        by_unit[int(unit)][tuple(int(i) for i in slots.split("-"))] = Q.Residual(parts["contribution"],
+                                                                                 parts["reduced"])
+    for i, g in enumerate(engine.grads.all):
+        g.restore_residuals(by_unit.get(i, {}))
+
+
+def warn_full(engine: Optional[MiCSEngine], where: Any) -> None:
+    """A full checkpoint loaded into a run that keeps residuals: they restart from zero."""
+    if layout(engine) is not None:
+        _restart(where, "a full checkpoint holds only what one plain process has (state_dict_type='sharded' "
+                        "carries them)")
+
+
+def _restart(where: Any, why: str) -> None:
+    rank_zero_warn(f"MiCSStrategy(quantize_gradients='error_feedback'): {where} gives no error-feedback residuals "
+                   f"for this run: {why}. They start from zero: the next step carries one quantization's rounding "
+                   "error, once ([Note: residuals in checkpoints] in lightning_mics/feedback_state.py).")
+
+
+def _diff(saved: Dict[str, Any], want: Dict[str, Any]) -> str:
+    return ", ".join(f"{k} {saved.get(k)} -> {want.get(k)}" for k in sorted(set(saved) | set(want))
+                     if saved.get(k) != want.get(k))

@@ -1,0 +1,86 @@
+"""One rank of the Trainer's error-feedback resume test: quant_equiv.py's linear model under
+``quantize_gradients="error_feedback"`` (32-element blocks, s = 2), 2 epochs of 3 optimizer steps, saved at the
+end of epoch 0 by ModelCheckpoint (sharded and full); a fresh Trainer resumes each with ``fit(ckpt_path=...)``.
+Rank 0 writes, per format, the largest difference between the resumed and the uninterrupted parameters and the
+error-feedback warnings the resumed fit raised; then which ranks' residuals a ``trainer.save_checkpoint`` after a
+fit holds, for a model that stays sharded after it."""
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+
+from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics import checkpoint_files as files  # noqa: E402
+from lightning_mics.feedback_state import KEY  # noqa: E402
+from tests.scripts.quant_equiv import D_IN, D_OUT, Module, data  # noqa: E402
+
+BATCH, STEPS_PER_EPOCH = 4, 3
+
+
+class Start(L.Callback):
+    step = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.step = trainer.global_step
+
+
+def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, **kw):
+    strategy = MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0,
+                            reduce_bucket_size=D_IN * D_OUT, state_dict_type=kind,
+                            quantize_gradients="error_feedback", quantization_block_size=32, **kw)
+    start = Start()
+    saver = ModelCheckpoint(dirpath=out, filename=f"ef_{kind}-{{epoch}}", save_on_train_epoch_end=True, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, limit_val_batches=0,
+                        num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
+                        logger=False, use_distributed_sampler=False, callbacks=[saver, start] if save else [start],
+                        enable_checkpointing=save)
+    torch.manual_seed(0)
+    module = Module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, train, ckpt_path=ckpt)
+    warned = [str(w.message) for w in caught if "error-feedback residuals" in str(w.message)]
+    if kw:
+        return trainer
+    return trainer.strategy.lightning_module_state_dict(), warned, trainer.global_step, start.step
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    x, y = data(world, BATCH, STEPS_PER_EPOCH, 1)
+    ds = TensorDataset(x, y)
+    train = DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, world, rank, shuffle=False))
+    result = {}
+    for kind in ("sharded", "full"):
+        straight, _, _, _ = fit(args.out, world, train, kind, save=True)
+        resumed, warned, step, start = fit(args.out, world, train, kind, ckpt=str(Path(args.out) / f"ef_{kind}-epoch=0.ckpt"))
+        result[kind] = {"start": start, "step": step, "warned": warned}
+        if rank == 0:
+            result[kind]["max_abs"] = max((resumed[k] - straight[k]).abs().max().item() for k in straight)
+    # a model larger than max_live_parameters stays sharded after fit: a save then still holds the residuals
+    trainer = fit(args.out, world, train, "sharded", epochs=1, max_live_parameters=100)
+    after = Path(args.out) / "after_fit.ckpt"
+    trainer.save_checkpoint(after)
+    if rank == 0:
+        index = files.read_index(after)
+        result["after_fit_ranks"] = sorted({p[2] for p in index.planner_data.values() if p[0] == KEY})
+    (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
