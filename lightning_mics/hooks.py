@@ -147,10 +147,10 @@ class Hooks:
         """The unit's backward is complete: its gradients are reduced, then it is released if the schedule
         says so."""
         boundary = self.grads.sync_replicas
+        unit.finish_backward()  # first: the reduction may start the unit's replica all-reduce right away
         if self.grads.needs_reduce(unit) and self.grads.reduce_now():
             self.grads.reduce(unit, releasing=self.schedule.releases_after_backward(unit, boundary))
         self.schedule.after_backward(unit, boundary)
-        unit.finish_backward()
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
