@@ -80,6 +80,13 @@ def restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:
         unit, slots = name[1:].split("_", 1)
         by_unit[int(unit)][tuple(int(i) for i in slots.split("-"))] = Q.Residual(parts["contribution"],
                                                                                  parts["reduced"])
+    for i, g in enumerate(engine.grads.all):  # every size checked before any is taken
+        for slots, res in by_unit.get(i, {}).items():
+            n = sum(g.params[k].rows.padded_numel for k in slots) if max(slots) < len(g.params) else -1
+            if res.contribution.numel() != n:
+                raise ValueError(f"an error-feedback residual of {res.contribution.numel()} elements was saved for "
+                                 f"parameters {list(slots)[:6]} of unit {i} ({type(g.unit.module).__name__}), whose "
+                                 f"shards hold {n} elements here: the checkpoint is of another model")
     for i, g in enumerate(engine.grads.all):
         g.restore_residuals(by_unit.get(i, {}))
 

@@ -244,14 +244,7 @@ class UnitGrads:
         return dict(self._residuals)
 
     def restore_residuals(self, state: Dict[Tuple[int, ...], Q.Residual]) -> None:
-        """Takes ``state`` (``residual_state`` of a run with this layout) as this rank's residuals; a bucket whose
-        residual has another size than its flat (another model) is refused before anything is taken."""
-        for slots, res in state.items():
-            n = sum(self.params[i].rows.padded_numel for i in slots) if max(slots) < len(self.params) else -1
-            if res.contribution.numel() != n:
-                raise ValueError(f"an error-feedback residual of {res.contribution.numel()} elements was saved for "
-                                 f"parameters {list(slots)[:6]} of unit {type(self.unit.module).__name__}, whose "
-                                 f"shards hold {n} elements here: the checkpoint is of another model")
+        """Takes ``state`` (``residual_state`` of a run with this layout, checked by the caller) as this rank's."""
         self._residuals = dict(state)
 
     def finish_replica_sync(self) -> None:
