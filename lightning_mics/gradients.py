@@ -305,12 +305,12 @@ def _local_grad(p: Any) -> Optional[Tensor]:
 # every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
 # order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
 # adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
-# A reduce-scatter normally stays in flight while the next unit's backward runs; but when its unit's all-reduce
-# is the next to go and every all-reduce issued before it is done (the first unit of the boundary backward, or
-# a fast link that drained), it is finished at once and the all-reduce issued: waiting for the next unit's
+# A reduce-scatter normally stays in flight while the next unit's backward runs; but the first unit of the
+# boundary backward finishes its reduce-scatter at once and issues its all-reduce: waiting for the next unit's
 # backward would leave the replica link idle (``_link_waits_for``; the issue order is unchanged, only the moment
-# of the issue). On 4 local ranks (benchmarks/phases.py, mics_host) the first cross-host collective came 0.06 s
-# after the loss: 0.26 -> 0.20 s from the end of forward, as FSDP2 HSDP's 0.21 s.
+# of the issue, decided by the program alone, never by whether a collective has completed). On 4 local ranks
+# (benchmarks/phases.py, mics_host) the first cross-host collective came 0.06 s sooner after the forward's end:
+# 0.26 -> 0.20 s, as FSDP2 HSDP's 0.21 s.
 # The world all-reduce of the used-flags (and of the replicated parameters' last bucket) is issued at the end
 # of backward before anything is waited for, so its round trip across the slow link overlaps the replica
 # all-reduce's transfer instead of following it.
@@ -386,14 +386,13 @@ class GradientPath:
         self._advance_replica_sync()
 
     def _link_waits_for(self, g: UnitGrads) -> bool:
-        """In the boundary micro-batch: ``g``'s replica all-reduce is the next to go and none issued before it is
-        still running, so nothing crosses the replica link until ``g``'s reduce-scatter is finished."""
-        if not self.sync_replicas or self._sync_cursor >= len(self._sync_order) or g.replica_issued:
+        """In the boundary micro-batch: ``g``'s replica all-reduce is the first of the backward, so nothing
+        crosses the replica link until ``g``'s reduce-scatter is finished. Only the first: whether an earlier
+        all-reduce has completed is timing, and the moment of an issue must not depend on it (two engines may
+        share the replica group: every rank must interleave their collectives alike)."""
+        if not self.sync_replicas or self._sync_cursor != 0 or g.replica_issued or self._sync_order[0] is not g:
             return False
-        if self._sync_order[self._sync_cursor] is not g or g.unit.training_state is not TrainingState.POST_BACKWARD:
-            return False  # (end of backward: the unit is idle, ``sync`` issues it after ``drain``)
-        return all(w is None or (isinstance(w, dist.Work) and w.is_completed())
-                   for prev in self._sync_order[:self._sync_cursor] for w, _, _ in prev._replica_work)
+        return g.unit.training_state is TrainingState.POST_BACKWARD  # (else the end of backward: ``sync`` issues it)
 
     def _advance_replica_sync(self) -> None:
         """[Note: replica sync overlap]: in the boundary micro-batch, issues the replica all-reduce of each unit
