@@ -70,13 +70,11 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
             tensors = {k: ckpt.model_state(m, ENGINES.get(m)) for k, m in modules.items()}
             tensors.update({k: ckpt.optimizer_state_by_name(owners[k][0], o, owners[k][1])
                             for k, o in optimizers.items()})
-            residuals = {k: feedback.state(ENGINES.get(m), strategy.global_rank) for k, m in modules.items()}
-            if any(residuals.values()):  # [Note: residuals in checkpoints]
-                tensors[feedback.KEY] = {k: v for k, v in residuals.items() if v}
+            engines = {k: ENGINES.get(m) for k, m in modules.items()}  # [Note: residuals in checkpoints]
+            tensors.update(feedback.entries(engines, strategy.global_rank))
             meta[files.MARKER] = files.marker("sharded", fabric=info, world_size=strategy.world_size,
                                               shard_size=strategy.topology.layout.shard_size,
-                                              error_feedback={k: feedback.layout(ENGINES.get(m))
-                                                              for k, m in modules.items()})
+                                              error_feedback=feedback.layouts(engines))
             ckpt.write_sharded(tensors, meta, Path(path), token, coordinator=strategy.is_global_zero)
             return
         for k, m in modules.items():
@@ -121,8 +119,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     with torch.inference_mode(False):
         if full is not None:
             steps.agree(_missing(state, full, path, strict))
-            for m in modules.values():
-                feedback.warn_full(ENGINES.get(m), path)
+            feedback.warn_full({k: ENGINES.get(m) for k, m in modules.items()}, path)
             for k, m in modules.items():
                 if k in full:
                     _load_module(m, full.pop(k), strict)
@@ -139,14 +136,11 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
                 if k in present:
                     module, engine = _owner(o, modules)
                     opts[k] = (module, o, engine)
-            saved = meta[files.MARKER].get("error_feedback") or {}
-            residuals = {k: feedback.targets(index, k, e, saved.get(k), strategy.global_rank, path)
-                         for k, (_, e) in mods.items()}
-            residuals = {k: v for k, v in residuals.items() if v is not None}
-            ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only,
-                                      extra={feedback.KEY: residuals} if residuals else None)
-            for k, r in residuals.items():
-                feedback.restore(mods[k][1], r)
+            engines = {k: e for k, (_, e) in mods.items()}
+            residuals = feedback.targets(index, engines, meta[files.MARKER].get("error_feedback"),
+                                         strategy.global_rank, path)
+            ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra=residuals)
+            feedback.restore(engines, residuals)
             for k, (m, _) in mods.items():  # the shards were read in place; buffers and plain modules through this
                 set_model_state_dict(m, ckpt.model_state(m, ENGINES.get(m)), options=StateDictOptions(strict=False))
             remainder = dict(meta)

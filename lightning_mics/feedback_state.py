@@ -8,7 +8,7 @@ own: laid out like its shard of the bucket, and different on every replica. A sh
 
     {KEY: {<module key>: {"rank<k>": {"u<unit>_<slots>": {"contribution": tensor, "reduced": tensor}}}}}
 
-each rank writing only its own keys (so DCP writes each once), and the layout that made them (``layout``: world
+each rank writing only its own keys (so DCP writes each once), and the layout that made them (``layouts``: world
 size, s, t, bucket size, block size, reduce dtype, units) in the checkpoint's marker. A load into the same layout
 takes them back, so a resumed run is the uninterrupted one. A load into another layout, from a full checkpoint
 (which holds what one plain process has: nothing per rank) or from a checkpoint saved without error feedback
@@ -30,10 +30,46 @@ from lightning_mics.checkpoint_files import set_element
 from lightning_mics.engine import MiCSEngine
 
 KEY = "mics_error_feedback"
+Engines = Dict[str, Optional[MiCSEngine]]  # a checkpoint's modules by their key ("model" under the Trainer)
 
 
-def layout(engine: Optional[MiCSEngine]) -> Optional[Dict[str, Any]]:
-    """What the residuals of ``engine`` depend on; None when it keeps none."""
+def layouts(engines: Engines) -> Dict[str, Optional[Dict[str, Any]]]:
+    """For the checkpoint's marker: per module key, what its residuals depend on (None: it keeps none)."""
+    return {k: _layout(e) for k, e in engines.items()}
+
+
+def entries(engines: Engines, rank: int) -> Dict[str, Any]:
+    """This rank's residuals (the tensors themselves) as top-level entries of a sharded save; {} if none."""
+    mine = {k: st for k, e in engines.items() if (st := _state(e, rank))}
+    return {KEY: mine} if mine else {}
+
+
+def targets(index: Metadata, engines: Engines, saved: Dict[str, Any], rank: int, where: Any) -> Dict[str, Any]:
+    """Top-level entries of empty tensors to read this rank's residuals into (``restore`` takes them back after
+    the load); {} if there are none to take. ``saved``: the marker's ``layouts``. A module that keeps residuals
+    the checkpoint cannot give back is warned about once (see the note)."""
+    found = {}
+    for key, engine in engines.items():
+        target = _targets(index, key, engine, (saved or {}).get(key), rank, where)
+        if target is not None:
+            found[key] = target
+    return {KEY: found} if found else {}
+
+
+def restore(engines: Engines, loaded: Dict[str, Any]) -> None:
+    """Takes back what ``targets`` read, once the load has filled it."""
+    for key, residuals in loaded.get(KEY, {}).items():
+        _restore(engines[key], residuals)
+
+
+def warn_full(engines: Engines, where: Any) -> None:
+    """A full checkpoint loaded into modules that keep residuals: they restart from zero."""
+    if any(_layout(e) is not None for e in engines.values()):
+        _restart(where, "a full checkpoint holds only what one plain process has (state_dict_type='sharded' "
+                        "carries them)")
+
+
+def _layout(engine: Optional[MiCSEngine]) -> Optional[Dict[str, Any]]:
     if engine is None or engine.options.quantize_gradients != "error_feedback":
         return None
     lay, o = engine.topo.layout, engine.options
@@ -42,21 +78,17 @@ def layout(engine: Optional[MiCSEngine]) -> Optional[Dict[str, Any]]:
             "reduce_dtype": str(o.reduce_dtype), "units": len(engine.units)}
 
 
-def state(engine: Optional[MiCSEngine], rank: int) -> Dict[str, Any]:
-    """This rank's residuals (the tensors themselves), as they go under ``KEY`` / the module's key; {} if none."""
-    if layout(engine) is None:
+def _state(engine: Optional[MiCSEngine], rank: int) -> Dict[str, Any]:
+    if _layout(engine) is None:
         return {}
     mine = {f"u{i}_{'-'.join(map(str, slots))}": {"contribution": res.contribution, "reduced": res.reduced}
             for i, g in enumerate(engine.grads.all) for slots, res in g.residual_state().items()}
     return {f"rank{rank}": mine} if mine else {}
 
 
-def targets(index: Metadata, key: str, engine: Optional[MiCSEngine], saved: Optional[Dict[str, Any]], rank: int,
-            where: Any) -> Optional[Dict[str, Any]]:
-    """Empty tensors to read this rank's residuals of the module saved under ``key`` into, or None (warned once
-    when ``engine`` keeps residuals that cannot be taken back: see the note). ``saved``: the layout in the
-    checkpoint's marker for ``key``."""
-    want = layout(engine)
+def _targets(index: Metadata, key: str, engine: Optional[MiCSEngine], saved: Optional[Dict[str, Any]], rank: int,
+             where: Any) -> Optional[Dict[str, Any]]:
+    want = _layout(engine)
     if want is None:
         return None
     if saved != want:
@@ -73,8 +105,7 @@ def targets(index: Metadata, key: str, engine: Optional[MiCSEngine], saved: Opti
     return target
 
 
-def restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:
-    """Takes back what ``targets`` read (this rank's residuals, by unit and bucket)."""
+def _restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:
     by_unit: Dict[int, Dict[Tuple[int, ...], Q.Residual]] = defaultdict(dict)
     for name, parts in (item for mine in loaded.values() for item in mine.items()):
         unit, slots = name[1:].split("_", 1)
@@ -89,13 +120,6 @@ def restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:
                                  f"shards hold {n} elements here: the checkpoint is of another model")
     for i, g in enumerate(engine.grads.all):
         g.restore_residuals(by_unit.get(i, {}))
-
-
-def warn_full(engine: Optional[MiCSEngine], where: Any) -> None:
-    """A full checkpoint loaded into a run that keeps residuals: they restart from zero."""
-    if layout(engine) is not None:
-        _restart(where, "a full checkpoint holds only what one plain process has (state_dict_type='sharded' "
-                        "carries them)")
 
 
 def _restart(where: Any, why: str) -> None:

@@ -90,12 +90,11 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
     if strategy.options.state_dict_type == "sharded":
         steps.refuse_remote_sharded(path, storage_options)
         checkpoint["state_dict"] = _as_sharded_state(strategy, checkpoint.get("state_dict"))
-        engine = strategy._live_engine()
+        engines = {"model": strategy._live_engine()}  # [Note: residuals in checkpoints]
         layout = {"world_size": strategy.world_size, "shard_size": strategy._shard_size,
-                  "error_feedback": {"model": feedback.layout(engine)}}
-        residuals = feedback.state(engine, strategy.global_rank)  # [Note: residuals in checkpoints]
+                  "error_feedback": feedback.layouts(engines)}
         ckpt.save_sharded(checkpoint, Path(path), token, coordinator=strategy.is_global_zero, layout=layout,
-                          extra={feedback.KEY: {"model": residuals}} if residuals else None)
+                          extra=feedback.entries(engines, strategy.global_rank))
         return
     checkpoint[files.MARKER] = files.marker("full")
     io = strategy.checkpoint_io
@@ -124,19 +123,18 @@ def load_checkpoint(strategy: Strategy, checkpoint_path: Any, weights_only: Opti
         check=lambda p, m: _check_optimizer_count(strategy, p, m))
     strategy._loaded_from = str(path)
     engine = strategy._live_engine()
+    engines = {"model": engine}
     if full is not None:
-        feedback.warn_full(engine, path)
+        feedback.warn_full(engines, path)
         return full
     assert meta is not None and index is not None
     optimizers = _optimizers_to_restore(strategy, meta)
     module = strategy.lightning_module
-    saved = (meta[files.MARKER].get("error_feedback") or {}).get("model")
-    residuals = feedback.targets(index, "model", engine, saved, strategy.global_rank, path)
+    residuals = feedback.targets(index, engines, meta[files.MARKER].get("error_feedback"), strategy.global_rank,
+                                 path)
     state = ckpt.load_sharded(path, index, module, optimizers, strict=module.strict_loading,
-                              weights_only=weights_only, engine=engine,
-                              extra=None if residuals is None else {feedback.KEY: {"model": residuals}})
-    if residuals is not None:
-        feedback.restore(engine, residuals)
+                              weights_only=weights_only, engine=engine, extra=residuals)
+    feedback.restore(engines, residuals)
     meta["state_dict"] = state["state_dict"]
     if meta[files.MARKER].get("optimizers") is not None:
         meta["optimizer_states"] = [state[f"optimizer_{i}"] for i in range(len(optimizers))]

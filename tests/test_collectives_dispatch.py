@@ -199,12 +199,13 @@ def test_replica_all_reduce_starts_during_the_boundary_backward(tmp_path):
             assert len(replica) == len(scatters) == n_units, ops  # one bucket per unit here
             # the first before the second reduce-scatter: its reduce-scatter was finished at once
             assert scatters[0] < replica[0] < scatters[1], ops
-            # each unit's all-reduce after its own reduce-scatter and before the one after the next (it waits
-            # for the next only while an earlier all-reduce still runs); all but the root's (the backward's
-            # last unit) and perhaps the one before it start before the last reduce-scatter is issued
-            assert all(scatters[k] < replica[k] for k in range(n_units)), ops
+            # every later one after the next unit's reduce-scatter (one stays in flight) and before the one
+            # after that; all but the root's (the backward's last unit) and the one before it start before the
+            # last reduce-scatter is issued
+            assert all(scatters[k + 1] < replica[k] for k in range(1, n_units - 1)), ops
             assert all(replica[k] < scatters[k + 2] for k in range(n_units - 2)), ops
-            assert sum(k < scatters[-1] for k in replica) >= n_units - 2, ops
+            assert scatters[-1] < replica[-1], ops
+            assert sum(k < scatters[-1] for k in replica) == n_units - 2, ops
 
 
 def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(tmp_path):

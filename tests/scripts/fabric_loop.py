@@ -262,27 +262,41 @@ def case_gan(s):
     return {"gen_rel": compare_global(final[0], g.state_dict()), "critic_rel": compare(final[1], c.state_dict())}
 
 
+def _resume(fabric, path, data, kind, clip):
+    """A fresh model (another initialization: everything must come from the checkpoint) and optimizer loaded from
+    ``path`` and trained on to STEPS: (its full state, the state dict it was loaded into, what ``fabric.load``
+    returned beyond it, the error-feedback warnings of the load)."""
+    torch.manual_seed(99)
+    model = fabric.setup_module(Tiny())
+    opt = fabric.setup_optimizers(optimizer(kind, model.parameters()))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = fabric.load(path, state)
+    fabric_steps(fabric, model, opt, data, clip, state["step"], STEPS)
+    warned = [str(w.message) for w in caught if "error-feedback residuals" in str(w.message)]
+    return full_state(fabric, model), state, rest, warned
+
+
+def _save_halfway_and_resume(fabric, path, kind, clip):
+    """Trains STEPS/2, saves into ``path``, trains on to STEPS, then resumes from ``path`` (``_resume``):
+    (the uninterrupted full state, *what ``_resume`` returns)."""
+    model, opt, _ = setup(fabric, "split", kind)
+    data, half = batches(2), STEPS // 2
+    fabric_steps(fabric, model, opt, data, clip, 0, half)
+    fabric.save(path, {"model": model, "optimizer": opt, "step": half})
+    fabric_steps(fabric, model, opt, data, clip, half, STEPS)
+    return (full_state(fabric, model), *_resume(fabric, path, data, kind, clip))
+
+
 def case_resume(s, precision="32-true"):
     """Saves at step STEPS/2 (sharded directory and full file), trains on; then fresh models resume from each
     checkpoint. Writes the uninterrupted final state for another layout's ``load`` case."""
-    half = STEPS // 2
     out = {}
     for fmt in ("sharded", "full"):
         fabric = new_fabric(int(s), precision, state_dict_type=fmt)
-        model, opt, _ = setup(fabric, "split", "adamw")
-        data = batches(2)
-        fabric_steps(fabric, model, opt, data, "norm", 0, half)
         path = OUT / f"ckpt-{fmt}" if fmt == "sharded" else OUT / "ckpt-full.pt"
-        fabric.save(path, {"model": model, "optimizer": opt, "step": half})
-        fabric_steps(fabric, model, opt, data, "norm", half, STEPS)
-        straight = full_state(fabric, model)
-        torch.manual_seed(99)  # a different initialization: everything must come from the checkpoint
-        model2 = fabric.setup_module(Tiny())
-        opt2 = fabric.setup_optimizers(optimizer("adamw", model2.parameters()))
-        state = {"model": model2, "optimizer": opt2, "step": 0}
-        rest = fabric.load(path, state)
-        fabric_steps(fabric, model2, opt2, data, "norm", state["step"], STEPS)
-        resumed = full_state(fabric, model2)
+        straight, resumed, state, rest, _ = _save_halfway_and_resume(fabric, path, "adamw", "norm")
         if fabric.global_rank == 0:
             full = lightning_mics.consolidate(path)
             out[fmt] = {"rel": compare(resumed, straight), "step": state["step"], "rest": sorted(rest),
@@ -297,14 +311,8 @@ def case_load(s, src):
     out = {}
     for fmt in ("sharded", "full"):
         fabric = new_fabric(int(s))
-        torch.manual_seed(99)
-        model = fabric.setup_module(Tiny())
-        opt = fabric.setup_optimizers(optimizer("adamw", model.parameters()))
-        state = {"model": model, "optimizer": opt, "step": 0}
         path = Path(src) / ("ckpt-sharded" if fmt == "sharded" else "ckpt-full.pt")
-        fabric.load(path, state)
-        fabric_steps(fabric, model, opt, batches(2), "norm", state["step"], STEPS)
-        resumed = full_state(fabric, model)
+        resumed, state, _, _ = _resume(fabric, path, batches(2), "adamw", "norm")
         if fabric.global_rank == 0:
             out[fmt] = {"rel": compare(resumed, torch.load(Path(src) / f"straight-{fmt}.pt")), "step": state["step"]}
     # load_raw: a plain state_dict file into a sharded module
@@ -324,35 +332,15 @@ def case_load(s, src):
 EF = {"quantize_gradients": "error_feedback", "quantization_block_size": 32}
 
 
-def _resume_feedback(fabric, path, data):
-    """A fresh model and optimizer loaded from ``path`` and trained to STEPS; (full state, error-feedback
-    warnings raised by the load)."""
-    torch.manual_seed(99)
-    model = fabric.setup_module(Tiny())
-    opt = fabric.setup_optimizers(optimizer("sgd", model.parameters()))
-    state = {"model": model, "optimizer": opt, "step": 0}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fabric.load(path, state)
-    fabric_steps(fabric, model, opt, data, "none", state["step"], STEPS)
-    return full_state(fabric, model), [str(w.message) for w in caught if "error-feedback residuals" in str(w.message)]
-
-
 def case_feedback(s):
     """quantize_gradients='error_feedback' in 32-element blocks: saves halfway (sharded directory and full file),
     trains on; fresh models resume from each. Per format: the resumed run against the uninterrupted one, the
     warnings of the load, and (sharded) which ranks' residuals the directory holds."""
-    half, out = STEPS // 2, {}
+    out = {}
     for fmt in ("sharded", "full"):
         fabric = new_fabric(int(s), state_dict_type=fmt, **EF)
-        model, opt, _ = setup(fabric, "split", "sgd")
-        data = batches(2)
-        fabric_steps(fabric, model, opt, data, "none", 0, half)
         path = OUT / f"ef-{fmt}" if fmt == "sharded" else OUT / "ef-full.pt"
-        fabric.save(path, {"model": model, "optimizer": opt, "step": half})
-        fabric_steps(fabric, model, opt, data, "none", half, STEPS)
-        straight = full_state(fabric, model)
-        resumed, warned = _resume_feedback(fabric, path, data)
+        straight, resumed, _, _, warned = _save_halfway_and_resume(fabric, path, "sgd", "none")
         if fabric.global_rank == 0:
             out[fmt] = {"rel": compare(resumed, straight), "warned": warned}
             if fmt == "sharded":
@@ -367,7 +355,7 @@ def case_feedback_load(s, block):
     """The sharded checkpoint of ``feedback`` (32-element blocks) resumed with ``block``-element blocks: the
     residuals are laid out for other blocks, so they restart from zero, with a warning."""
     fabric = new_fabric(int(s), **{**EF, "quantization_block_size": int(block)})
-    _, warned = _resume_feedback(fabric, OUT / "ef-sharded", batches(2))
+    *_, warned = _resume(fabric, OUT / "ef-sharded", batches(2), "sgd", "none")
     return {"warned": warned}
 
 

@@ -37,6 +37,7 @@ class Start(L.Callback):
 
 
 def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, **kw):
+    """(the Trainer after fit, the error-feedback warnings it raised, the step it started from)."""
     strategy = MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0,
                             reduce_bucket_size=D_IN * D_OUT, state_dict_type=kind,
                             quantize_gradients="error_feedback", quantization_block_size=32, **kw)
@@ -52,9 +53,7 @@ def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, **kw):
         warnings.simplefilter("always")
         trainer.fit(module, train, ckpt_path=ckpt)
     warned = [str(w.message) for w in caught if "error-feedback residuals" in str(w.message)]
-    if kw:
-        return trainer
-    return trainer.strategy.lightning_module_state_dict(), warned, trainer.global_step, start.step
+    return trainer, warned, start.step
 
 
 def main():
@@ -67,13 +66,14 @@ def main():
     train = DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, world, rank, shuffle=False))
     result = {}
     for kind in ("sharded", "full"):
-        straight, _, _, _ = fit(args.out, world, train, kind, save=True)
-        resumed, warned, step, start = fit(args.out, world, train, kind, ckpt=str(Path(args.out) / f"ef_{kind}-epoch=0.ckpt"))
-        result[kind] = {"start": start, "step": step, "warned": warned}
+        straight = fit(args.out, world, train, kind, save=True)[0].strategy.lightning_module_state_dict()
+        trainer, warned, start = fit(args.out, world, train, kind, ckpt=str(Path(args.out) / f"ef_{kind}-epoch=0.ckpt"))
+        resumed = trainer.strategy.lightning_module_state_dict()
+        result[kind] = {"start": start, "step": trainer.global_step, "warned": warned}
         if rank == 0:
             result[kind]["max_abs"] = max((resumed[k] - straight[k]).abs().max().item() for k in straight)
     # a model larger than max_live_parameters stays sharded after fit: a save then still holds the residuals
-    trainer = fit(args.out, world, train, "sharded", epochs=1, max_live_parameters=100)
+    trainer, _, _ = fit(args.out, world, train, "sharded", epochs=1, max_live_parameters=100)
     after = Path(args.out) / "after_fit.ckpt"
     trainer.save_checkpoint(after)
     if rank == 0:
