@@ -20,7 +20,7 @@ pytestmark = pytest.mark.distributed
 
 EQUIV = ["equiv:2:2:sgd:norm:split", "equiv:4:4:adamw:value:joint", "equiv:2:4:adamw:norm:meta",
          "equiv:4:2:sgd:none:joint", "equiv:2:2:adamw:norm:split:bf16-mixed", "equiv:2:2:sgd:value:split:bf16-true"]
-FOUR = [*EQUIV, "count:2:4", "gan:2", "resume:2", "feedback:2", "feedback_load:2:64"]
+FOUR = [*EQUIV, "count:2:4", "gan:2", "resume:2", "feedback:2", "feedback:2:bf16-mixed", "feedback_load:2:64"]
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +82,16 @@ def test_error_feedback_residuals_resume_from_a_sharded_checkpoint(four):
     """quantize_gradients='error_feedback' (s = 2, r = 2, 32-element blocks): the sharded checkpoint holds every
     rank's residuals and the resumed run is the uninterrupted one exactly. A full checkpoint holds none: the load
     says so and the run differs (what the residuals carry is not nothing). Loaded with another block size, the
-    residuals do not fit and restart from zero, with a warning naming the change."""
+    residuals do not fit and restart from zero, with a warning naming the change. The same under bf16-mixed,
+    where both checkpoints hold the fp32 masters."""
     _, results = four
-    r = results[0]["feedback:2"]
-    assert r["sharded"]["rel"] == 0.0 and r["sharded"]["warned"] == [], r
-    assert r["sharded"]["ranks"] == ["rank0", "rank1", "rank2", "rank3"], r
-    assert r["full"]["rel"] > 1e-4, r
-    assert len(r["full"]["warned"]) == 1 and "a full checkpoint holds only" in r["full"]["warned"][0], r
+    for case in ("feedback:2", "feedback:2:bf16-mixed"):
+        r = results[0][case]
+        assert r["sharded"]["rel"] == 0.0 and r["sharded"]["warned"] == [], (case, r)
+        assert r["sharded"]["ranks"] == ["rank0", "rank1", "rank2", "rank3"], (case, r)
+        assert r["full"]["rel"] > 1e-4, (case, r)
+        assert len(r["full"]["warned"]) == 1 and "a full checkpoint holds only" in r["full"]["warned"][0], (case, r)
+        assert r["sharded"]["dtypes"] == r["full"]["dtypes"] == ["torch.float32"], (case, r)
     warned = results[0]["feedback_load:2:64"]["warned"]
     assert len(warned) == 1 and "another layout (block_size 32 -> 64)" in warned[0], warned
     assert all(res["feedback_load:2:64"]["warned"] == [] for res in results[1:])  # said once, by rank 0

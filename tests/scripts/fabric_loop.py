@@ -332,17 +332,19 @@ def case_load(s, src):
 EF = {"quantize_gradients": "error_feedback", "quantization_block_size": 32}
 
 
-def case_feedback(s):
+def case_feedback(s, precision="32-true"):
     """quantize_gradients='error_feedback' in 32-element blocks: saves halfway (sharded directory and full file),
     trains on; fresh models resume from each. Per format: the resumed run against the uninterrupted one, the
-    warnings of the load, and (sharded) which ranks' residuals the directory holds."""
+    warnings of the load, the dtypes of the saved model, and (sharded) which ranks' residuals it holds."""
     out = {}
     for fmt in ("sharded", "full"):
-        fabric = new_fabric(int(s), state_dict_type=fmt, **EF)
+        fabric = new_fabric(int(s), precision, state_dict_type=fmt, **EF)
         path = OUT / f"ef-{fmt}" if fmt == "sharded" else OUT / "ef-full.pt"
         straight, resumed, _, _, warned = _save_halfway_and_resume(fabric, path, "sgd", "none")
         if fabric.global_rank == 0:
-            out[fmt] = {"rel": compare(resumed, straight), "warned": warned}
+            saved = lightning_mics.consolidate(path)["model"].values()
+            out[fmt] = {"rel": compare(resumed, straight), "warned": warned,
+                        "dtypes": sorted({str(v.dtype) for v in saved})}
             if fmt == "sharded":
                 from lightning_mics import checkpoint_files as files
                 from lightning_mics.feedback_state import KEY
