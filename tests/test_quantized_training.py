@@ -173,3 +173,17 @@ def test_error_feedback_residuals_resume_through_the_trainer(tmp_path):
     assert r0["full"]["max_abs"] > 1e-5, r0
     assert len(r0["full"]["warned"]) == 1 and "a full checkpoint holds only" in r0["full"]["warned"][0], r0
     assert r0["after_fit_ranks"] == ["rank0", "rank1", "rank2", "rank3"], r0  # kept past the end of fit
+
+
+def test_error_feedback_residuals_resume_through_the_trainer_in_bf16(tmp_path):
+    """The same resume under bf16-mixed: the residuals live beside the fp32 masters, so the sharded resume is
+    still the uninterrupted run exactly, the full one warns and differs, and what the user gets back is fp32."""
+    res = run_ranks(REPO / "tests" / "scripts" / "feedback_resume.py", 4, ["--precision", "bf16-mixed"], tmp_path)
+    for r in res:
+        for kind in ("sharded", "full"):
+            assert (r[kind]["start"], r[kind]["step"]) == (3, 6), r
+    r0 = res[0]
+    assert r0["sharded"]["max_abs"] == 0.0 and r0["sharded"]["warned"] == [], r0
+    assert r0["full"]["max_abs"] > 1e-5, r0
+    assert len(r0["full"]["warned"]) == 1 and "a full checkpoint holds only" in r0["full"]["warned"][0], r0
+    assert r0["sharded"]["dtypes"] == r0["full"]["dtypes"] == ["torch.float32"], r0

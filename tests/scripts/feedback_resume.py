@@ -3,7 +3,7 @@
 end of epoch 0 by ModelCheckpoint (sharded and full); a fresh Trainer resumes each with ``fit(ckpt_path=...)``.
 Rank 0 writes, per format, the largest difference between the resumed and the uninterrupted parameters and the
 error-feedback warnings the resumed fit raised; then which ranks' residuals a ``trainer.save_checkpoint`` after a
-fit holds, for a model that stays sharded after it."""
+fit holds, for a model that stays sharded after it (in 32-true; ``--precision bf16-mixed`` runs the resumes only)."""
 
 import argparse
 import json
@@ -36,7 +36,7 @@ class Start(L.Callback):
         self.step = trainer.global_step
 
 
-def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, **kw):
+def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, precision="32-true", **kw):
     """(the Trainer after fit, the error-feedback warnings it raised, the step it started from)."""
     strategy = MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0,
                             reduce_bucket_size=D_IN * D_OUT, state_dict_type=kind,
@@ -44,6 +44,7 @@ def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, **kw):
     start = Start()
     saver = ModelCheckpoint(dirpath=out, filename=f"ef_{kind}-{{epoch}}", save_on_train_epoch_end=True, save_top_k=-1)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, limit_val_batches=0,
+                        precision=precision,
                         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
                         logger=False, use_distributed_sampler=False, callbacks=[saver, start] if save else [start],
                         enable_checkpointing=save)
@@ -59,6 +60,7 @@ def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, **kw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--precision", default="32-true", help="the Trainer's precision; the after-fit save runs in 32-true only")
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     x, y = data(world, BATCH, STEPS_PER_EPOCH, 1)
@@ -66,12 +68,18 @@ def main():
     train = DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, world, rank, shuffle=False))
     result = {}
     for kind in ("sharded", "full"):
-        straight = fit(args.out, world, train, kind, save=True)[0].strategy.lightning_module_state_dict()
-        trainer, warned, start = fit(args.out, world, train, kind, ckpt=str(Path(args.out) / f"ef_{kind}-epoch=0.ckpt"))
+        straight = fit(args.out, world, train, kind, save=True, precision=args.precision)[0]
+        straight = straight.strategy.lightning_module_state_dict()
+        trainer, warned, start = fit(args.out, world, train, kind, ckpt=str(Path(args.out) / f"ef_{kind}-epoch=0.ckpt"),
+                                     precision=args.precision)
         resumed = trainer.strategy.lightning_module_state_dict()
         result[kind] = {"start": start, "step": trainer.global_step, "warned": warned}
         if rank == 0:
             result[kind]["max_abs"] = max((resumed[k] - straight[k]).abs().max().item() for k in straight)
+            result[kind]["dtypes"] = sorted({str(v.dtype) for v in resumed.values()})
+    if args.precision != "32-true":
+        (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+        return
     # a model larger than max_live_parameters stays sharded after fit: a save then still holds the residuals
     trainer, _, _ = fit(args.out, world, train, "sharded", epochs=1, max_live_parameters=100)
     after = Path(args.out) / "after_fit.ckpt"
