@@ -5,11 +5,12 @@
 A replica all-reduce between two hosts sends in both directions at once, one stream per rank pair; DDP's ring one
 per direction. Per pattern (k streams host 0 -> 1, and the same back when ``both``), the time until every stream's
 bytes were read on the other side, and the efficiency: bytes / rate / time per direction (1.0: the link never
-idled). Host 0 and host 1 are benchmarks/twohosts.py's namespaces; traffic goes only to their addresses. Needs
+idled), as one JSON line. Host 0 and host 1 are benchmarks/twohosts.py's namespaces; traffic goes only to their addresses. Needs
 root, like benchmarks/cluster.py.
 """
 
 import argparse
+import json
 import socket
 import subprocess
 import sys
@@ -95,9 +96,8 @@ def main() -> None:
                                        str(29600 + n)], stdout=subprocess.PIPE, text=True) for m in (0, 1)]
             secs = [float(o) for o in (p.communicate(timeout=600)[0].strip() for p in procs) if o]
             floor = nbytes * 8 / (args.rate * 1e6)
-            print(f"{k} stream(s) per direction, {'both directions' if both else 'one direction'}: "
-                  f"{' / '.join(f'{s:.2f}' for s in secs)} s for a {floor:.2f} s floor, efficiency "
-                  f"{' / '.join(f'{floor / s:.3f}' for s in secs)}", flush=True)
+            print(json.dumps({"streams": k, "both_directions": both, "rate_mbit": args.rate, "bytes": nbytes,
+                              "secs": secs, "floor_s": floor, "efficiency": [floor / x for x in secs]}), flush=True)
 
 
 if __name__ == "__main__":

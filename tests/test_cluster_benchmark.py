@@ -215,3 +215,21 @@ def test_small_real_run_on_two_hosts(tmp_path):
     # DDP's all-reduce over 4 ranks moves more across the link than MiCS's per-host groups
     assert ddp["counted"]["all_reduce/cross"]["bytes"] >= model and ddp["link_bytes"] > mics["link_bytes"]
     assert "| 50 Mbit/s | 2 | mics_host |" in (out / "table.md").read_text() and (out / "cluster.png").exists()
+
+
+def test_link_probe_sees_the_shaped_rate(tmp_path):
+    """benchmarks/link_probe.py on two fresh hosts at 50 Mbit/s: every pattern reports, no stream beats the shaper
+    (the tbf bucket lets at most 64 KiB through ahead of the rate), and its namespaces are gone afterwards."""
+    _namespaces_or_skip()
+    before = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "link_probe.py"), "--rate", "50", "--mbytes", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
+    assert [(r["streams"], r["both_directions"], len(r["secs"])) for r in rows] == [(1, False, 1), (1, True, 2),
+                                                                                  (2, False, 1), (2, True, 2)]
+    for r in rows:
+        assert r["floor_s"] == pytest.approx(2e6 * 8 / 50e6)
+        assert all(s >= (2e6 - 65536) * 8 / 50e6 for s in r["secs"]), r
+    after = set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    assert after <= before
