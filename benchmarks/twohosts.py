@@ -15,9 +15,9 @@ the barriers no rank is inside a collective of either step, so the link is quiet
 the ranks leave the handshake out of their step times.
 
 The link is shaped on both ends' egress with ``tc tbf`` (rate only; the kernel of benchmarks/RESULTS.md has no
-netem qdisc), so each direction carries at most the rate. :func:`probe` measures what one TCP stream really gets
-through the shaped link. The namespaces (and with them the veth and its qdiscs) are deleted on exit whatever
-happens.
+netem qdisc), so each direction carries at most the rate. :func:`transfer` measures what TCP really gets
+through the shaped link (:func:`probe`: one stream, one way). The namespaces (and with them the veth and its
+qdiscs) are deleted on exit whatever happens.
 """
 
 from __future__ import annotations
@@ -196,49 +196,84 @@ def ask_mark(path: str, step: int, conn: Optional[socket.socket] = None) -> sock
     return conn
 
 
-# -- what one TCP stream gets through the shaped link ----------------------------------------------------------
-def _serve(port: int) -> None:
-    """Host 1: accepts one connection, reads until it closes its sending side, answers with one byte."""
-    with socket.create_server((HOSTS[1], port)) as srv:
-        print("ready", flush=True)
+# -- what TCP gets through the shaped link ------------------------------------------------------------------------
+def _host(me: int, streams: int, nbytes: int, sends: bool, serves: bool, port: int) -> None:
+    """One host of :func:`transfer`: listens for the other host's ``streams`` connections (if ``serves``; each is
+    read until its sender closes, then answered with one byte), says "ready", and on "go" from its parent sends
+    ``nbytes`` over ``streams`` connections of its own (if ``sends``), printing the seconds from the first byte
+    sent until the other host has read them all."""
+    srv = socket.create_server((HOSTS[me], port), backlog=streams) if serves else None
+
+    def drain() -> None:
         conn, _ = srv.accept()
         with conn:
             while conn.recv(1 << 20):
                 pass
             conn.sendall(b"k")
 
+    def send(n: int, i: int) -> None:
+        chunk = b"\0" * (1 << 20)
+        with socket.create_connection((HOSTS[1 - me], port), timeout=120) as conn:
+            start = time.perf_counter()
+            left = n
+            while left > 0:
+                conn.sendall(chunk[:min(left, len(chunk))])
+                left -= len(chunk)
+            conn.shutdown(socket.SHUT_WR)
+            if conn.recv(1) == b"k":  # else the other host never read it all: no figure, and a failed run
+                times[i] = start
 
-def _send(port: int, nbytes: int) -> None:
-    """Host 0: sends ``nbytes`` to host 1 and prints the seconds until host 1 has read them all."""
-    chunk = b"\0" * (1 << 20)
-    with socket.create_connection((HOSTS[1], port), timeout=120) as conn:
-        t0 = time.perf_counter()
-        left = nbytes
-        while left > 0:
-            conn.sendall(chunk[:min(left, len(chunk))])
-            left -= len(chunk)
-        conn.shutdown(socket.SHUT_WR)
-        conn.recv(1)
-        print(time.perf_counter() - t0, flush=True)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    drains = [threading.Thread(target=drain) for _ in range(streams if serves else 0)]
+    for t in drains:
+        t.start()
+    if sends:
+        times: List[Optional[float]] = [None] * streams
+        senders = [threading.Thread(target=send, args=(nbytes // streams + (i < nbytes % streams), i))
+                   for i in range(streams)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+        if None in times:
+            sys.exit(f"host {me}: a stream to host {1 - me} did not complete")
+        print(time.perf_counter() - min(t for t in times if t is not None), flush=True)
+    for t in drains:
+        t.join()
+    if srv is not None:
+        srv.close()
+
+
+def transfer(hosts: TwoHosts, nbytes: int, streams: int = 1, both: bool = False, port: int = 29490) -> List[float]:
+    """Seconds to move ``nbytes`` from host 0 to host 1 over ``streams`` TCP connections (and at the same time
+    from host 1 to host 0 when ``both``), over the link as it is shaped now: one figure per sending host."""
+    me = [sys.executable, str(Path(__file__).resolve()), "host"]
+    procs = [subprocess.Popen(["ip", "netns", "exec", hosts.names[m], *me, str(m), str(streams), str(nbytes),
+                               str(int(m == 0 or both)), str(int(m == 1 or both)), str(port)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for m in (0, 1)]
+    try:
+        for p in procs:  # both listening before either sends
+            assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        for p in procs:  # both told before either is waited for: each host drains what the other sends
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"transfer over the link failed: exit codes {[p.returncode for p in procs]}")
+        return [float(o) for o in outs if o]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def probe(hosts: TwoHosts, nbytes: int, port: int = 29490) -> float:
     """Mbit/s of one TCP stream from host 0 to host 1 over the link as it is shaped now."""
-    me = [sys.executable, str(Path(__file__).resolve())]
-    server = subprocess.Popen(["ip", "netns", "exec", hosts.names[1], *me, "serve", str(port)],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert server.stdout is not None and server.stdout.readline().strip() == "ready"
-        out = subprocess.run(["ip", "netns", "exec", hosts.names[0], *me, "send", str(port), str(nbytes)],
-                             capture_output=True, text=True, timeout=300, check=True).stdout
-        return nbytes * 8 / float(out) / 1e6
-    finally:
-        server.kill()
-        server.wait()
+    return nbytes * 8 / transfer(hosts, nbytes, port=port)[0] / 1e6
 
 
-if __name__ == "__main__":
-    if sys.argv[1] == "serve":
-        _serve(int(sys.argv[2]))
-    elif sys.argv[1] == "send":
-        _send(int(sys.argv[2]), int(sys.argv[3]))
+if __name__ == "__main__" and sys.argv[1] == "host":
+    a = sys.argv[2:]
+    _host(int(a[0]), int(a[1]), int(a[2]), a[3] == "1", a[4] == "1", int(a[5]))
