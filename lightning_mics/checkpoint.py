@@ -30,7 +30,8 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from lightning_mics import checkpoint_files as files
 from lightning_mics.checkpoint_files import CheckpointError, set_element
@@ -58,7 +59,10 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
     rank = dist.get_rank()
     keep = dst is None or rank == dst
     tp = engine.topo.layout.tp_size > 1
-    takes_part = tp or dst is None or rank in engine.topo.layout.shard_group_of(dst)
+    in_group = tp or dst is None or rank in engine.topo.layout.shard_group_of(dst)
+    # with optimizer rows over replicas every rank first gathers its chunk over its replica group
+    over_replicas = any(u.optimizer_rows is not None for u in engine.units)
+    takes_part = in_group or over_replicas
     sd = optimizer.state_dict()  # state keyed by position in param_groups order
     params = [p for g in optimizer.param_groups for p in g["params"]]
     index_of = {id(p): k for k, p in enumerate(params)}
@@ -76,6 +80,10 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
                     if is_sharded(v):
                         groups.setdefault((name, v.dtype), [None] * len(unit.params))[i] = local(v)
             for (name, dtype), locals_ in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+                if unit.optimizer_rows is not None:  # [Note: optimizer rows over replicas]
+                    locals_ = unit.optimizer_rows.chunks(locals_, dtype, unit.device)
+                if not in_group:
+                    continue
                 fulls = gather_rows(unit, locals_, dtype, None if tp else dst, scratch)
                 for sp, f in zip(unit.params, fulls or ()):
                     if f is None:
@@ -159,11 +167,41 @@ def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[
     tensors the module holds at that moment."""
     sd = get_model_state_dict(module)
     if engine is not None:
-        shard_of = {id(p.full): p.sharded for u in engine.units for p in u.all_params()}
+        for u in engine.units:
+            u.settle_rows()  # the other replicas' rows are in ([Note: optimizer rows over replicas])
+        # the chunks as saved without optimizer rows over replicas (``held``), so checkpoints do not depend on it
+        held = {id(q): getattr(p, "held", p.sharded) for u in engine.units for p in u.all_params()
+                for q in (p.full, p.sharded)}
         for name, t in module.state_dict(keep_vars=True).items():
-            if id(t) in shard_of:
-                sd[name] = shard_of[id(t)].detach()
+            if id(t) in held:
+                sd[name] = held[id(t)].detach()
     return sd
+
+
+@torch.no_grad()
+def apply_model_state(module: nn.Module, state: Dict[str, Any], engine: Optional[MiCSEngine] = None,
+                      strict: bool = False) -> None:
+    """Puts a sharded model state (``model_state``'s layout, e.g. read in place and edited by a hook) into the
+    module: a DTensor entry of its target's placement is copied shard to shard (the chunk also where the
+    optimizer's rows are cut over replicas, [Note: optimizer rows over replicas]); the rest through
+    ``set_model_state_dict``."""
+    target = model_state(module, engine)
+    if strict:
+        missing, unexpected = [k for k in target if k not in state], [k for k in state if k not in target]
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+                               f"{missing}, unexpected keys {unexpected}")
+    rest = {}
+    for k, v in state.items():
+        t = target.get(k)
+        if isinstance(t, DTensor) and isinstance(v, DTensor) and t.placements == v.placements \
+                and t.shape == v.shape:
+            if local(t).data_ptr() != local(v).data_ptr():
+                local(t).copy_(local(v))
+        else:
+            rest[k] = v
+    if rest:
+        set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
 
 
 def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer,

@@ -2,7 +2,8 @@
 
 Each rank of a shard group holds a different slice of every sharded gradient, and after the replica
 all-reduce every replica holds the same slices, so a sharded gradient's squared norm is summed over the
-*shard group only*. Replicated (small) parameters hold the same whole gradient on every rank: counted once,
+*shard group only* (with the optimizer's rows over replicas, [Note: optimizer rows over replicas] in
+optimizer_rows.py, a gradient is a slice over both axes and summed over both). Replicated (small) parameters hold the same whole gradient on every rank: counted once,
 locally. With tensor parallelism a gradient can also be a slice over the "tp" axis. Which is which is read
 from the gradient's placement ([Note: placement] in placement.py): gradients are grouped by the mesh
 dimensions over which they are slices, and each group's local sum is all-reduced over exactly those
@@ -26,14 +27,17 @@ from lightning_mics.placement import local, sharded_mesh_dims
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh: DeviceMesh,
                     norm_type: float = 2.0, eps: float = 1e-6) -> Tensor:
     seen, grads = set(), []
-    for p in params:
-        if p.grad is not None and id(p) not in seen:
-            seen.add(id(p))
-            grads.append(p.grad)
     by_dims: Dict[Tuple[int, ...], List[Tensor]] = {}
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            # every rank must see the same classes, even where it holds no gradient of one: those of the
+            # parameters' placements (the same on every rank) and the mesh's usual ones
+            by_dims.setdefault(sharded_mesh_dims(p), [])
+            if p.grad is not None:
+                grads.append(p.grad)
     for g in grads:
         by_dims.setdefault(sharded_mesh_dims(g), []).append(local(g))
-    # every rank must see the same classes, even where it holds no gradient of one: the mesh's possible ones
     for dims in ((1,), (1, 2), (2,)) if mesh.ndim == 3 else ((1,),):
         by_dims.setdefault(dims, [])
     device = grads[0].device if grads else torch.device("cpu")

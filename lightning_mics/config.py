@@ -91,6 +91,12 @@ def check_quantization(quantize_gradients: Any, quantize_allgather: Any, block_s
     return block
 
 
+def optimizer_state_only(cfg: Any) -> bool:
+    """``shard_optimizer_state`` with s = 1 (or unset): ZeRO-1 over every rank ([Note: optimizer-state-only
+    sharding] in gradients.py). With s > 1 the option shards the optimizer state over the replicas too."""
+    return cfg.shard_optimizer_state and cfg.sharded_data_parallel_degree in (None, 1)
+
+
 def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> None:
     """A quantization option that would not act on this layout is refused ([Note: quantized traffic]): the
     replica all-reduce needs sharded parameters (s > 1) and several replicas (r > 1); the int8 gather hop needs
@@ -101,6 +107,10 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
             "a single replica (s = the data-parallel size) has no replica all-reduce"
         _fail("quantize_gradients", cfg.quantize_gradients,
               f"False with sharded_data_parallel_degree={s} and {r} replica(s): {why}")
+    if cfg.quantize_gradients is not False and cfg.shard_optimizer_state:
+        _fail("quantize_gradients", cfg.quantize_gradients,
+              f"False with shard_optimizer_state=True and sharded_data_parallel_degree={s}: the replica sync is "
+              "then a reduce-scatter and an all-gather, which have no int8 form here")
     p, t = ranks_per_node, cfg.tensor_parallel_degree
     two_hop = t == 1 and s > p and s % p == 0 and cfg.hierarchical_allgather is not False
     if cfg.quantize_allgather and not two_hop:
@@ -122,7 +132,8 @@ class MiCSConfig:
     max_live_parameters: int = _DEFAULT_MAX_LIVE
     prefetch: int = 1
     reshard_after_forward: bool = True  # False: a unit stays gathered from its forward into its backward
-    shard_optimizer_state: bool = False  # with s = 1: ZeRO-1, optimizer state split over the data-parallel ranks
+    shard_optimizer_state: bool = False  # optimizer state over all data-parallel ranks (s = 1: ZeRO-1; s > 1: rows
+    # over replicas too)
     tensor_parallel_degree: int = 1  # t: a "tp" mesh axis of t contiguous ranks for the user's parallelize plan
     prescaled_batch: bool = False  # with t > 1: each tensor-parallel group reads one batch (not one per rank)
     shard_units: Optional[List[str]] = None
@@ -156,21 +167,18 @@ class MiCSConfig:
         for name in ("reshard_after_forward", "shard_optimizer_state", "prescaled_batch"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, getattr(self, name), "True or False")
-        if self.shard_optimizer_state and self.sharded_data_parallel_degree not in (None, 1):
-            _fail("shard_optimizer_state", True,
-                  f"True only with sharded_data_parallel_degree=1 (got {self.sharded_data_parallel_degree}): "
-                  "sharded data parallelism already shards the optimizer state inside each sharding group")
-        if self.shard_optimizer_state and self.max_live_parameters != _DEFAULT_MAX_LIVE:
+        zero1 = optimizer_state_only(self)  # (s > 1: [Note: optimizer rows over replicas])
+        if zero1 and self.max_live_parameters != _DEFAULT_MAX_LIVE:
             _fail("max_live_parameters", self.max_live_parameters,
                   f"the default {_DEFAULT_MAX_LIVE} with shard_optimizer_state=True: parameters stay whole on "
                   "every rank, nothing is gathered per layer")
-        if self.shard_optimizer_state and self.shard_units is not None:
+        if zero1 and self.shard_units is not None:
             _fail("shard_units", self.shard_units, "None with shard_optimizer_state=True: parameters stay whole "
                   "on every rank, no unit is ever gathered or released")
-        if self.shard_optimizer_state and self.prefetch != 1:
+        if zero1 and self.prefetch != 1:
             _fail("prefetch", self.prefetch, "the default 1 with shard_optimizer_state=True: nothing is gathered "
                   "per layer, so there is nothing to prefetch")
-        if self.shard_optimizer_state and not self.reshard_after_forward:
+        if zero1 and not self.reshard_after_forward:
             _fail("reshard_after_forward", False,
                   "True (the default) with shard_optimizer_state=True: parameters are never resharded then")
         if self.tensor_parallel_degree > 1 and self.shard_optimizer_state:

@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_mics import full_state
 from lightning_mics import quantized as Q
 from lightning_mics.activations import ActivationCheckpointing, plan_groups
-from lightning_mics.config import MiCSOptions
+from lightning_mics.config import MiCSOptions, optimizer_state_only as zero1
 from lightning_mics.hooks import Hooks
 from lightning_mics.materialize import has_meta, materialize
 from lightning_mics.placement import ReplicatedParam, local
@@ -44,6 +44,10 @@ class MiCSEngine:
         checkpoint_group_size, activation_offload = options.checkpoint_group_size, options.activation_offload
         reshard_after_forward, optimizer_state_only = options.reshard_after_forward, options.shard_optimizer_state
         self.log = CommLog()
+        # [Note: optimizer rows over replicas] in optimizer_rows.py (s > 1) or [Note: optimizer-state-only
+        # sharding] in gradients.py (s = 1: the shard group is every rank)
+        optimizer_state_only = zero1(options)
+        over_replicas = options.shard_optimizer_state and not optimizer_state_only and topo.layout.replicas > 1
         self.optimizer_state_only = optimizer_state_only
         # [Note: optimizer-state-only sharding] in gradients.py: one unit (the root) holds every parameter
         classes = () if optimizer_state_only else resolve_classes(shard_units, "shard_units")
@@ -55,7 +59,8 @@ class MiCSEngine:
         quantize = Q.QuantizeSpec(options.quantize_gradients, options.quantize_allgather,
                                   options.quantization_block_size)  # [Note: quantized traffic] in config.py
         self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, kernels=kernels,
-                           log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only, quantize=quantize)
+                           log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only, quantize=quantize,
+                           optimizer_over_replicas=over_replicas)
                       for up in plan.units]
         self.device = device
         by_param = {id(rp.full): rp for rp in self.replicated}

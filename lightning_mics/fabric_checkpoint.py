@@ -22,7 +22,6 @@ from typing import Any, Dict, Optional, Tuple, Union
 import torch
 import torch.nn as nn
 from lightning.fabric.utilities.types import _Stateful
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.optim import Optimizer
 
 from lightning_mics import checkpoint as ckpt
@@ -142,7 +141,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra=residuals)
             feedback.restore(engines, residuals)
             for k, (m, _) in mods.items():  # the shards were read in place; buffers and plain modules through this
-                set_model_state_dict(m, ckpt.model_state(m, ENGINES.get(m)), options=StateDictOptions(strict=False))
+                ckpt.apply_model_state(m, ckpt.model_state(m, ENGINES.get(m)), ENGINES.get(m))
             remainder = dict(meta)
     remainder.pop(files.MARKER, None)
     for k, v in rest.items():

@@ -46,7 +46,7 @@ import torch.nn as nn
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import topology as T
 from lightning_mics.clip import clip_grad_norm_
-from lightning_mics.config import MiCSOptions
+from lightning_mics.config import MiCSOptions, optimizer_state_only
 from lightning_mics.engine import MiCSEngine
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
@@ -80,10 +80,12 @@ def check_precision(options: MiCSOptions, precision: Optional[str]) -> None:
 
 def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, device_type: str) -> Topology:
     """The (replicate, shard[, tp]) mesh for this world. Collective: call after the process group exists.
-    With ``shard_optimizer_state`` the shards go over all W ranks ([Note: optimizer-state-only sharding])."""
+    With ``shard_optimizer_state`` and s = 1 the shards go over all W ranks ([Note: optimizer-state-only
+    sharding])."""
     s = options.validate_world(world_size, ranks_per_node)
     T.release_groups_at_exit()  # [Note: groups at exit] in topology.py
-    layout = plan_layout(world_size, world_size if options.shard_optimizer_state else s, ranks_per_node,
+    zero1 = optimizer_state_only(options)  # else: [Note: optimizer rows over replicas] in optimizer_rows.py
+    layout = plan_layout(world_size, world_size if zero1 else s, ranks_per_node,
                          options.tensor_parallel_degree)
     return build_topology(layout, device_type)
 

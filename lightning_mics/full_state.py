@@ -44,8 +44,8 @@ class Scratch:
 
 def gather_rows(unit: Unit, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, dst: Optional[int],
                 scratch: Optional[Scratch] = None) -> Optional[List[Optional[Tensor]]]:
-    """Full tensors of ``unit``'s sharded parameters from per-parameter local rows (``None``: no such tensor
-    for that parameter).
+    """Full tensors of ``unit``'s sharded parameters from per-parameter local rows, the shard group's chunks
+    (``None``: no such tensor for that parameter).
 
     Collective over the shard group. ``dst`` = a global rank: only it gets the result (the others hold
     nothing more than their shard); ``dst=None``: every rank gets it. One unit's worth of memory at most;
@@ -53,6 +53,7 @@ def gather_rows(unit: Unit, locals_: Sequence[Optional[Tensor]], dtype: torch.dt
     receive buffer waits for gloo's thread to drop its Work before the next one is allocated).
     """
     scratch = scratch or Scratch()
+    unit.settle_rows()  # [Note: optimizer rows over replicas] in optimizer_rows.py
     if all(t is sp.local for sp, t in zip(unit.params, locals_)) and dtype == unit.dtype:
         flat = unit.shard_flat  # the master shard itself is the send buffer (padding rows are zero)
     else:

@@ -22,11 +22,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from lightning_mics import collectives as C
 from lightning_mics import quantized as Q
-from lightning_mics.placement import ReplicatedParam, local
+from lightning_mics.placement import ReplicatedParam, local, local_grad
 from lightning_mics.replicated import ReplicatedReducer
 from lightning_mics.unit import ShardedState, TrainingState, Unit
 
@@ -60,6 +59,8 @@ class UnitGrads:
         self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
         self.replica_issued = False  # the accumulator's replica all-reduce is in flight ([Note: replica sync
         self.late: Optional[Tensor] = None  # overlap]); reductions finished after that go to ``late``
+        self.rows = unit.optimizer_rows  # [Note: optimizer rows over replicas] in optimizer_rows.py
+        self.reduced: Optional[Tensor] = None  # with them: this replica's rows of the synced gradients
         self._replica_work: List[Tuple[Optional[dist.Work], Optional[Tensor], List[Tensor]]] = []
         self.stash: List[Optional[Tensor]] = [None] * len(self.params)  # [Note: optimizer-state-only sharding]
         self.got_grad = torch.zeros(len(self.params), dtype=torch.bool)
@@ -71,7 +72,7 @@ class UnitGrads:
     def drop(self, keep_feedback: bool = False) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone)."""
         self.needs_reduce = False
-        self.accum = self.late = None
+        self.accum = self.late = self.reduced = None
         self.replica_issued = False
         self._replica_work.clear()
         if not keep_feedback:
@@ -124,7 +125,7 @@ class UnitGrads:
             for bucket in self.buckets(slots):
                 grads = []
                 for i in bucket.slots:
-                    g = _local_grad(self.params[i])
+                    g = local_grad(self.params[i])
                     stashed, self.stash[i] = self.stash[i], None
                     if stashed is not None:
                         g = stashed if g is None else stashed.add_(g)
@@ -153,7 +154,7 @@ class UnitGrads:
         move into reduce_dtype accumulators, so that the window sums in reduce_dtype, as the reduce-scatter
         of every micro-batch does otherwise."""
         for i, sp in enumerate(self.params):
-            g = _local_grad(sp)
+            g = local_grad(sp)
             if g is None:
                 continue
             if self.stash[i] is None:
@@ -196,6 +197,11 @@ class UnitGrads:
         if self.accum is None:  # no gradient reached this unit in the window on this rank: still take part
             self.accum = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         if self.topo.layout.replicas == 1:
+            return
+        if self.rows is not None:  # the all-reduce's first half: the rows this replica steps
+            res = self.rows.reduce_scatter(self.accum, async_op=True)
+            self.reduced = res.output
+            self._replica_work.append((res.work, None, []))
             return
         for bucket in self.buckets(slots):
             self._replica_work.append(self._all_reduce_bucket(bucket, self.accum, async_op=True))
@@ -260,6 +266,9 @@ class UnitGrads:
         late, self.late = self.late, None
         if late is None:
             return
+        if self.rows is not None:
+            self.reduced.add_(self.rows.reduce_scatter(late, async_op=False).output)
+            return
         if self.topo.layout.replicas > 1:
             for bucket in self.buckets(self.trainable()):
                 self._all_reduce_bucket(bucket, late, async_op=False)
@@ -273,27 +282,19 @@ class UnitGrads:
             if not bool(got_any[k]):
                 continue
             sp = self.params[i]
-            region = self.accum[sp.offset:sp.offset + sp.rows.padded_numel]
-            new = region.view(sp.rows.chunk, *sp.shape[1:])[: sp.rows.local_rows]
+            if self.rows is not None:
+                new = self.rows.rows_of(self.reduced, i)
+            else:
+                region = self.accum[sp.offset:sp.offset + sp.rows.padded_numel]
+                new = region.view(sp.rows.chunk, *sp.shape[1:])[: sp.rows.local_rows]
             if new.dtype != sp.local.dtype:
                 new = new.to(sp.local.dtype)
             if sp.sharded.grad is None:
                 sp.sharded.grad = sp.wrap(new)  # a view: the accumulator's memory becomes the gradient's
             else:
                 local(sp.sharded.grad).add_(new)
-        self.accum = None  # the next window allocates its own (the old one lives on as the gradients)
+        self.accum = self.reduced = None  # the next window allocates its own (the old one lives on as the gradients)
         self.got_grad.zero_()
-
-
-def _local_grad(p: Any) -> Optional[Tensor]:
-    """The full parameter's gradient as a plain tensor: with tensor parallelism a DTensor in the parameter's
-    own placement (redistributed if autograd produced another one, e.g. a pending sum)."""
-    g = p.full.grad
-    if isinstance(g, DTensor):
-        if g.placements != p.full.placements:
-            g = g.redistribute(g.device_mesh, p.full.placements)
-        return g._local_tensor
-    return g
 
 
 # [Note: replica sync overlap]

@@ -66,10 +66,16 @@ def tp_placement(orig: Tensor) -> Optional[Placement]:
 
 
 def make_spec(mesh: DeviceMesh, sharded: bool, shape: torch.Size, dtype: torch.dtype,
-              tp: Optional[Placement] = None) -> DTensorSpec:
-    """([Note: placement], [Note: tensor-parallel placement]) ``shape`` is the global shape."""
+              tp: Optional[Placement] = None, over_replicas: bool = False) -> DTensorSpec:
+    """([Note: placement], [Note: tensor-parallel placement], [Note: optimizer rows over replicas]) ``shape``
+    is the global shape; ``over_replicas``: this rank's rows of its shard group's chunk, cut again over the
+    replicas."""
     dp: Placement = Shard(0) if sharded else Replicate()
     placements: tuple = (Replicate(), dp)
+    if over_replicas:
+        if mesh.ndim != 2:
+            raise ValueError("MiCSStrategy: optimizer rows over replicas need the 2-D (replicate, shard) mesh")
+        placements = (_StridedShard(0, split_factor=mesh.size(1)), dp)
     if mesh.ndim == 3:
         tp = tp if tp is not None else Replicate()
         if sharded and isinstance(tp, Shard) and tp.dim == 0:
@@ -111,6 +117,17 @@ def local(t: Tensor) -> Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def local_grad(p: "_Placed") -> Optional[Tensor]:
+    """The full parameter's gradient as a plain tensor: with tensor parallelism a DTensor in the parameter's
+    own placement (redistributed if autograd produced another one, e.g. a pending sum)."""
+    g = p.full.grad
+    if isinstance(g, DTensor):
+        if g.placements != p.full.placements:
+            g = g.redistribute(g.device_mesh, p.full.placements)
+        return g._local_tensor
+    return g
+
+
 def tp_part(full: Tensor, tp_spec: Optional[DTensorSpec]) -> Tensor:
     """This rank's tensor-parallel part of a global tensor (a view; the tensor itself without tensor
     parallelism): what a full checkpoint holds, cut as the user's placement cuts the parameter."""
@@ -122,12 +139,15 @@ def tp_part(full: Tensor, tp_spec: Optional[DTensorSpec]) -> Tensor:
 
 @dataclass(frozen=True)
 class Rows:
-    """Where rank ``rank`` of ``s`` finds its chunk of a (d0, *rest) parameter."""
+    """Where rank ``rank`` of ``s`` finds its chunk of a (d0, *rest) parameter; with ``replicas`` > 1 also
+    which rows of that chunk replica ``replica`` steps ([Note: optimizer rows over replicas])."""
 
     d0: int
     rest: int  # elements per row
     s: int
     rank: int
+    replicas: int = 1
+    replica: int = 0
 
     @property
     def chunk(self) -> int:  # c: padded rows per rank
@@ -148,6 +168,18 @@ class Rows:
     @property
     def local_rows(self) -> int:
         return self.hi - self.lo
+
+    @property
+    def sub_chunk(self) -> int:  # padded rows per replica: torch.chunk's of the chunk's unpadded rows
+        return math.ceil(self.local_rows / self.replicas)
+
+    @property
+    def sub_lo(self) -> int:  # the optimizer's rows, relative to the chunk
+        return min(self.replica * self.sub_chunk, self.local_rows)
+
+    @property
+    def sub_hi(self) -> int:
+        return min((self.replica + 1) * self.sub_chunk, self.local_rows)
 
 
 class _Placed:
@@ -188,11 +220,16 @@ class ShardedParam(_Placed):
         self.global_shape = orig.shape  # with tensor parallelism, of all tensor-parallel parts together
         self.rows = rows
         self.offset = offset  # start of the padded region in the unit's flat shard
-        self.spec = make_spec(mesh, True, orig.shape, flat_shard.dtype, tp_placement(orig))
+        over_replicas = rows.replicas > 1  # [Note: optimizer rows over replicas]
+        self.spec = make_spec(mesh, True, orig.shape, flat_shard.dtype, tp_placement(orig), over_replicas)
         region = flat_shard[offset:offset + rows.padded_numel].view(rows.chunk, *self.shape[1:])
         self.padded = region  # (c, *rest); rows past local_rows stay zero
-        self.local = region[: rows.local_rows]
-        self.sharded = nn.Parameter(as_dtensor(self.local, self.spec), requires_grad=orig.requires_grad)
+        self.local = region[: rows.local_rows]  # the chunk this rank holds (and gathers from)
+        self.stepped = self.local[rows.sub_lo:rows.sub_hi] if over_replicas else self.local  # the optimizer's rows
+        self.sharded = nn.Parameter(as_dtensor(self.stepped, self.spec), requires_grad=orig.requires_grad)
+        # what a sharded checkpoint holds: the chunk, in the layout without optimizer rows over replicas
+        self.held = as_dtensor(self.local, make_spec(mesh, True, orig.shape, flat_shard.dtype,
+                                                     tp_placement(orig))) if over_replicas else self.sharded
         self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer): make_full
         self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
 
@@ -203,8 +240,16 @@ class ShardedParam(_Placed):
         self.local.copy_(full[self.rows.lo:self.rows.hi])
 
     def local_rows_of(self, full: Tensor) -> Tensor:
-        """This rank's rows of a global tensor (of ``self.global_shape``, e.g. from a full checkpoint)."""
-        return tp_part(full, self.tp_spec)[self.rows.lo:self.rows.hi]
+        """The optimizer's rows of a global tensor (of ``self.global_shape``, e.g. optimizer state from a full
+        checkpoint): the chunk's, or with optimizer rows over replicas this replica's part of it."""
+        lo = self.rows.lo + (self.rows.sub_lo if self.rows.replicas > 1 else 0)
+        hi = self.rows.lo + (self.rows.sub_hi if self.rows.replicas > 1 else self.rows.local_rows)
+        return tp_part(full, self.tp_spec)[lo:hi]
+
+    @torch.no_grad()
+    def copy_from_global(self, full: Tensor) -> None:
+        """This rank's chunk of a global parameter (e.g. from a full checkpoint) into the shard."""
+        self.local.copy_(tp_part(full, self.tp_spec)[self.rows.lo:self.rows.hi])
 
     def make_full(self, view: Tensor) -> nn.Parameter:
         """The Parameter the modules hold while the unit runs: ``view`` itself, or with tensor parallelism a

@@ -165,11 +165,15 @@ class Schedule:
         so the modules hold their DTensor masters, and after a pass without grad, so no gather lingers
         (``pinned=False``: pinned units stay, as between training steps)."""
         for unit in self.units:
+            unit.settle_rows()  # [Note: optimizer rows over replicas] in optimizer_rows.py
             if not unit.in_use:
                 unit.release(force=pinned)
 
     def after_optimizer_step(self) -> None:
-        """Post-step hook of every optimizer: units still in use get the new values; idle ones are released."""
+        """Post-step hook of every optimizer: the updated rows start across the replicas ([Note: optimizer rows
+        over replicas] in optimizer_rows.py); units still in use get the new values; idle ones are released."""
+        for unit in self.units:
+            unit.share_rows()
         for unit in self.units:
             if unit.state is ShardedState.GATHERED and (unit.depth > 0 or unit.pinned):
                 unit.refresh()

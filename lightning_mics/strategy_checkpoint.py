@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 import torch
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from lightning_mics import checkpoint as ckpt
@@ -47,8 +46,7 @@ def checkpoint_model_state(strategy: Strategy) -> Dict[str, Any]:
 
 def load_model_state_dict(strategy: Strategy, checkpoint: Mapping[str, Any], strict: bool) -> None:
     if steps.checkpoint_format(checkpoint) == "sharded":  # read in place by load_checkpoint; this applies edits
-        set_model_state_dict(strategy.lightning_module, checkpoint["state_dict"],
-                             options=StateDictOptions(strict=strict))
+        ckpt.apply_model_state(strategy.lightning_module, checkpoint["state_dict"], strategy._live_engine(), strict)
         return
     engine = strategy._live_engine()
     if engine is None:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_mics import collectives as C
 from lightning_mics import quantized as Q
+from lightning_mics.optimizer_rows import OptimizerRows
 from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
 from lightning_mics.sharding import UnitPlan
 from lightning_mics.telemetry import CommLog
@@ -56,7 +57,7 @@ class Unit:
     def __init__(self, plan: UnitPlan, topo: Topology, *, param_dtype: Optional[torch.dtype],
                  reduce_dtype: torch.dtype, kernels: str, log: CommLog, device: torch.device,
                  nodes: Optional[C.NodeGroups] = None, pinned: bool = False,
-                 quantize: Optional[Q.QuantizeSpec] = None) -> None:
+                 quantize: Optional[Q.QuantizeSpec] = None, optimizer_over_replicas: bool = False) -> None:
         self.path = plan.path or "<root>"
         self.quantize = quantize or Q.QuantizeSpec()  # quantize_allgather: the two-hop gather's first hop in int8
         self.module = plan.module
@@ -74,7 +75,10 @@ class Unit:
 
         # Sharded parameters: padded regions of one flat shard (the optimizer's DTensors are views into it).
         tp_locals = [local(pp.param) for pp in plan.params]  # [Note: tensor-parallel placement] in placement.py
-        rows = [Rows(t.shape[0], t[0].numel() if t.shape[0] else 0, self.s, topo.shard_rank) for t in tp_locals]
+        # [Note: optimizer rows over replicas] in optimizer_rows.py: the optimizer steps this replica's rows
+        reps, j = (topo.layout.replicas, topo.replica_rank) if optimizer_over_replicas else (1, 0)
+        rows = [Rows(t.shape[0], t[0].numel() if t.shape[0] else 0, self.s, topo.shard_rank, reps, j)
+                for t in tp_locals]
         offsets = [0]
         for r in rows:
             offsets.append(offsets[-1] + r.padded_numel)
@@ -85,6 +89,7 @@ class Unit:
             if not sp.meta:
                 sp.copy_rows_from_full(tp_locals[i].detach())
             self.params.append(sp)
+        self.optimizer_rows = OptimizerRows(self.params, topo, log, kernels) if reps > 1 and self.params else None
 
         # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
         numels = [math.prod(sp.shape) for sp in self.params]
@@ -229,6 +234,7 @@ class Unit:
         """SHARDED -> GATHERING: the all-gather of the flat shard (cast to param_dtype) is issued, async."""
         if self.state is not ShardedState.SHARDED:
             return
+        self.settle_rows()
         if self.params:
             self._gather = self._all_gather(async_op=True)
         self.state = ShardedState.GATHERING
@@ -282,14 +288,28 @@ class Unit:
         """After an optimizer step, a unit still in use gets the new values ([Note: version counters])."""
         if not self.params or self.state is not ShardedState.GATHERED:
             return
+        self.settle_rows()
         out = C.gathered(self._all_gather(async_op=False), self.log)
         self._settle_full()
         with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
             C.copy_out(out, self.full_views, self.s, self.kernels)
 
+    # -- the optimizer's rows over replicas ([Note: optimizer rows over replicas] in optimizer_rows.py) ----------
+    def share_rows(self) -> None:
+        """After an optimizer step: the all-gather of this replica's updated rows starts (async)."""
+        if self.optimizer_rows is not None:
+            self.optimizer_rows.share(self.shard_flat)
+
+    def settle_rows(self) -> None:
+        """Before the flat shard is read: the other replicas' rows are in."""
+        if self.optimizer_rows is not None:
+            self.optimizer_rows.settle()
+
     def drop(self) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone)."""
         self._gather = None
+        if self.optimizer_rows is not None:
+            self.optimizer_rows.drop()
         for sp in self.params:
             sp.full.grad = None
         self._swap_sharded()

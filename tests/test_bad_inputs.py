@@ -61,8 +61,6 @@ CASES = [
      ["activation_offload=True", "allowed is True only together with activation_checkpointing"]),
     ("group-size-without-checkpointing", INIT, {"checkpoint_group_size": 2}, [],
      ["checkpoint_group_size=2", "allowed is the default 1 unless activation_checkpointing"]),
-    ("optimizer-state-with-s2", INIT, {"shard_optimizer_state": True, "sharded_data_parallel_degree": 2}, [],
-     ["shard_optimizer_state=True", "allowed is True only with sharded_data_parallel_degree=1 (got 2)"]),
     ("optimizer-state-with-live-cap", INIT,
      {"shard_optimizer_state": True, "sharded_data_parallel_degree": 1, "max_live_parameters": 1000}, [],
      ["max_live_parameters=1000", "allowed is the default 1000000000 with shard_optimizer_state=True"]),

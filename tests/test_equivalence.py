@@ -34,8 +34,8 @@ TIED_FIXED = ("frozen.weight", "frozen.bias", "unused.weight", "unused.bias")
 
 # Every layout (s, r) in {(1,4), (2,2), (4,1)}; prefetch 0 and 2 besides the default 1; the two-hop all-gather
 # (s = 4 over 2 simulated nodes of 2 ranks); activation checkpointing of each model's blocks, one at a time,
-# grouped by 2, and grouped with the boundary activations offloaded; optimizer-state-only sharding (s = 1) and
-# keep-gathered mode. Trained one after another in the same 4
+# grouped by 2, and grouped with the boundary activations offloaded; optimizer-state-only sharding (s = 1), the
+# optimizer's rows over replicas (s = 2 with shard_optimizer_state) and keep-gathered mode. Trained one after another in the same 4
 # processes, with accumulation 2, each against the same single-process reference.
 BLOCKS = {"gpt": "lightning_mics.app.models.gpt.Block", "demo": "torch.nn.TransformerEncoderLayer",
           "tied": "torch.nn.Sequential"}
@@ -48,6 +48,7 @@ VARIANTS = {
     "s2-checkpoint-group2-offload": {"s": 2, "activation_checkpointing": "BLOCK", "checkpoint_group_size": 2,
                                      "activation_offload": True},
     "s1-optimizer-state": {"s": 1, "shard_optimizer_state": True},
+    "s2-optimizer-over-replicas": {"s": 2, "shard_optimizer_state": True},  # [Note: optimizer rows over replicas]
     "s2-keep-gathered": {"s": 2, "reshard_after_forward": False},
 }
 
@@ -95,10 +96,11 @@ def test_adamw_param_groups_match(tmp_path):
         assert e["moved"] > 0, name
 
 
-@pytest.mark.parametrize("s", [2, 1])
-def test_accumulation_and_clipping_match(tmp_path, s):
+@pytest.mark.parametrize("s, extra", [(2, {}), (1, {}), (2, {"shard_optimizer_state": True})],
+                         ids=["s2", "s1", "s2-optimizer-over-replicas"])
+def test_accumulation_and_clipping_match(tmp_path, s, extra):
     res = _run(tmp_path, "--model", "tied", "--s", str(s), "--steps", "4", "--accum", "4", "--clip", "0.05",
-               "--bucket", "500")
+               "--bucket", "500", "--extra", json.dumps(extra))
     _assert_matches(res[0], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
     assert all(n > 0.05 for n in res[0]["ref_norms"]), "clipping was never active"
 

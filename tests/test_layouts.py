@@ -1,5 +1,6 @@
 """The seeds' other layouts (issue 22): optimizer-state-only sharding (s = 1, ZeRO-1), keep-gathered mode
-(``reshard_after_forward=False``), and their collectives counted from the dispatcher.
+(``reshard_after_forward=False``), the optimizer's rows over replicas (``shard_optimizer_state`` with s > 1,
+issue 34), and their collectives counted from the dispatcher.
 
 Equivalence against one plain process on the same global batches is in ``tests/scripts/equiv.py`` (rank 0
 trains the reference); the collectives come from a TorchDispatchMode around every training batch.
@@ -21,6 +22,7 @@ ZERO1 = {"s": 1, "shard_optimizer_state": True}
 KEEP = {"s": 2, "reshard_after_forward": False}
 CAP = 20_000
 KEEP_CAPPED = {"s": 2, "reshard_after_forward": False, "max_live_parameters": CAP}
+OVER = {"s": 2, "shard_optimizer_state": True}  # [Note: optimizer rows over replicas]
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +31,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("layouts")
     return run_ranks(SCRIPT, 4, ["--model", "gpt", "--optimizer", "adamw", "--threshold", "0", "--layers", "4",
                                  "--steps", str(STEPS), "--accum", str(ACCUM), "--count",
-                                 "--variants", json.dumps([ZERO1, KEEP, KEEP_CAPPED, {"s": 2}])], d)
+                                 "--variants", json.dumps([ZERO1, KEEP, KEEP_CAPPED, {"s": 2}, OVER])], d)
 
 
 def _variant(res, rank, k):
@@ -45,7 +47,8 @@ def _adamw_matches(v):
         assert e["moved"] > 0, name
 
 
-@pytest.mark.parametrize("k", [0, 1, 2], ids=["optimizer-state-only", "keep-gathered", "keep-gathered-capped"])
+@pytest.mark.parametrize("k", [0, 1, 2, 4], ids=["optimizer-state-only", "keep-gathered", "keep-gathered-capped",
+                                                 "optimizer-rows-over-replicas"])
 def test_matches_single_process(runs, k):
     _adamw_matches(_variant(runs, 0, k))
     assert all(_variant(runs, r, k)["global_step"] == STEPS for r in range(4))
@@ -82,6 +85,45 @@ def test_optimizer_state_is_one_over_world(runs):
         assert sb["optimizer"] <= 1.02 * plain_optimizer / 4, (rank, sb)
         assert sb["optimizer"] >= 0.98 * plain_optimizer / 4, (rank, sb)
         assert sb["params"] >= 4 * n_params  # whole parameters on every rank (plus the 1/4 masters)
+
+
+def test_optimizer_rows_over_replicas_collectives(runs):
+    """s = 2, r = 2 with ``shard_optimizer_state``: inside a window the same shard-group collectives as plain
+    MiCS (s = 2) and nothing on the replica group; at the boundary, in place of one replica all-reduce per unit,
+    one reduce-scatter per unit (in the backward) and, after the optimizer step, one all-gather per unit of the
+    updated rows, each moving the all-reduce's buffer size: the same bytes, split around the step."""
+    for rank in range(4):
+        over, plain = _variant(runs, rank, 4), _variant(runs, rank, 3)
+        replica = (rank % 2, rank % 2 + 2)
+        units = over["state_bytes"]["n_units"]
+        for i, (a, b) in enumerate(zip(over["comms"], plain["comms"])):
+            boundary = i % ACCUM == ACCUM - 1
+            on_replica = [(o, n) for o, g, n in a if tuple(g or ()) == replica]
+            if not boundary:
+                assert on_replica == [], (rank, i, a)
+                assert [e[:2] for e in a] == [e[:2] for e in b], (rank, i)
+                continue
+            ops = [o for o, _ in on_replica]
+            assert ops == ["reduce_scatter"] * units + ["all_gather"] * units, (rank, i, ops)
+            ar = sum(n for o, g, n in b if o == "all_reduce" and tuple(g or ()) == replica)
+            assert ar > 0 and [o for o, g, _ in b if tuple(g or ()) == replica] == ["all_reduce"] * units
+            rs = sum(n for o, n in on_replica if o == "reduce_scatter")
+            ag = sum(n for o, n in on_replica if o == "all_gather")
+            assert abs(rs - ar) <= 0.02 * ar and abs(ag - ar) <= 0.02 * ar, (rank, i, rs, ag, ar)
+            # the shard group's and the world's collectives are plain MiCS's
+            others = lambda ev: [e[:2] for e in ev if tuple(e[1] or ()) != replica]  # noqa: E731
+            assert others(a) == others(b), (rank, i)
+
+
+def test_optimizer_rows_over_replicas_hold_one_over_world_of_the_state(runs):
+    """AdamW's state is 1/4 of the plain run's on each of 4 ranks, while the parameters stay 1/2 (s = 2)."""
+    for rank in range(4):
+        v = _variant(runs, rank, 4)
+        sb, n_params = v["state_bytes"], v["n_params"]
+        assert 0.98 * 2 * 4 * n_params / 4 <= sb["optimizer"] <= 1.02 * 2 * 4 * n_params / 4, (rank, sb)
+        assert 0.98 * 4 * n_params / 2 <= sb["params"] <= 1.02 * 4 * n_params / 2, (rank, sb)
+        plain = _variant(runs, rank, 3)["state_bytes"]
+        assert abs(sb["optimizer"] - plain["optimizer"] / 2) <= 0.02 * plain["optimizer"], (sb, plain)
 
 
 def test_keep_gathered_collectives(runs):
@@ -206,9 +248,13 @@ def test_tensor_parallel_options_are_checked():
 
 def test_layout_options_are_checked():
     from lightning_mics import MiCSStrategy
+    from lightning_mics.config import MiCSConfig
 
-    with pytest.raises(ValueError, match="shard_optimizer_state=True .*sharded_data_parallel_degree=1"):
-        MiCSStrategy(shard_optimizer_state=True, sharded_data_parallel_degree=2)
+    MiCSStrategy(shard_optimizer_state=True, sharded_data_parallel_degree=2)  # [Note: optimizer rows over replicas]
+    MiCSStrategy(shard_optimizer_state=True, sharded_data_parallel_degree=2, prefetch=2, max_live_parameters=100)
+    cfg = MiCSConfig(shard_optimizer_state=True, sharded_data_parallel_degree=2, quantize_gradients=True)
+    with pytest.raises(ValueError, match="quantize_gradients=True .*allowed is False with shard_optimizer_state=True"):
+        cfg.validate_world(4, 2)
     with pytest.raises(ValueError, match="max_live_parameters=100 "):
         MiCSStrategy(shard_optimizer_state=True, max_live_parameters=100)
     with pytest.raises(ValueError, match="shard_units"):

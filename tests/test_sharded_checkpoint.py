@@ -3,6 +3,7 @@ safety, clear errors. Real processes (gloo) run tests/scripts/sharded_ckpt.py: o
 resumes; 2-rank and 1-rank runs load what it saved. References come from the full-state path
 (``lightning_module_state_dict`` and the consolidated optimizer state), which shares no code with DCP's."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -54,6 +55,36 @@ def one_rank(saved, crashed):
     out, _ = saved
     return run_ranks(SCRIPT, 1, ["--phase", "load", "--s", "1", "--resave", "crash.ckpt",
                                  "--ckpt", "sharded.ckpt=ref_save.pt", "--ckpt", "crash.ckpt=crash_ref.pt"], out)
+
+
+OVER = json.dumps({"shard_optimizer_state": True})  # [Note: optimizer rows over replicas]
+
+
+@pytest.fixture(scope="module")
+def saved_over(tmp_path_factory, saved):
+    """The save phase with the optimizer's rows over replicas (4 ranks, s = 2, r = 2): its optimizer state is cut
+    over all 4 ranks; then the checkpoint that the plain s = 2 run saved is loaded into this layout."""
+    out = tmp_path_factory.mktemp("ckpt_over")
+    res = [r["save"] for r in run_ranks(SCRIPT, 4, ["--phase", "save", "--extra", OVER], out)]
+    plain_out, _ = saved
+    loaded = run_ranks(SCRIPT, 4, ["--phase", "load", "--extra", OVER, "--ckpt", "sharded.ckpt=ref_save.pt"],
+                       plain_out)
+    return res, [r["load"]["sharded.ckpt"] for r in loaded]
+
+
+def test_optimizer_rows_over_replicas_save_resume_and_reshard(saved_over):
+    """Resume from the sharded and the full checkpoint equals the uninterrupted run; the sharded one loads at
+    s = 4 without the option and consolidates to the full state; a checkpoint of plain s = 2 loads into it."""
+    res, loaded = saved_over
+    for r in res:
+        assert r["resume_sharded_step"] == 6 and r["resume_full_step"] == 6, r
+        at = r["at_s4"]
+        assert at["steps"] == 3 and at["model_equal"] and at["optimizer_equal"] and at["validate_model_equal"], at
+        assert {e["type"] for e in r["errors"].values()} == {"CheckpointError"}, r["errors"]
+    assert res[0]["resume_sharded_rel"] <= 1e-6 and res[0]["resume_full_rel"] <= 1e-6, res[0]
+    assert res[0]["consolidated_equal"] and res[0]["consolidated_optimizer_equal"], res[0]
+    for r in loaded:
+        assert r["steps"] == 3 and r["model_equal"] and r["optimizer_equal"] and r["validate_model_equal"], r
 
 
 def test_sharded_is_the_default():

@@ -21,6 +21,10 @@ With ``shard_optimizer_state`` (s = 1): one root unit holds every parameter with
 data-parallel ranks, so params, grads and optimizer state are those of s = W for that unit, plus its full
 parameters (gathered dtype) kept on every rank; per step one reduce-scatter per bucket and one all-gather over the
 W ranks at the boundary, whatever the accumulation, and the world all-reduce.
+With ``shard_optimizer_state`` and s > 1 ([Note: optimizer rows over replicas] in optimizer_rows.py) the units
+are MiCS's, but each replica steps ceil(n / r) of its chunk's n rows: optimizer state and the gradients it sees
+are those rows; the replica all-reduce is one reduce-scatter per unit (the reduction dtype) and one all-gather
+per unit after the step (the master dtype), each of r x the rows' slots.
 Quantized traffic ([Note: quantized traffic] in config.py): with ``quantize_gradients`` each replica all-reduce
 moves the int8 wire of its bucket, ``quantized.wire_bytes`` = b (1 + 4/B) bytes up to padding, in place of b times
 the reduction dtype (x (1 + 4/B)/4 against fp32), the same ring time (an all-to-all and an all-gather of it), and
@@ -87,7 +91,8 @@ class _Unit:
     sharded: List[ParamShape]
     replicated: List[ParamShape]
     padded: List[int]  # padded elements per sharded parameter (one rank's chunk)
-    local: List[int]  # unpadded elements on shard rank j
+    local: List[int]  # unpadded elements on shard rank j that the optimizer steps
+    slots: List[int]  # padded elements per parameter in one replica's part ([Note: optimizer rows over replicas])
 
     @property
     def shard_numel(self) -> int:
@@ -101,19 +106,28 @@ class _Unit:
 def _layout_units(units: List[UnitShapes], st: Settings, s: int) -> Tuple[List[UnitShapes], int]:
     """The units and shard-group size the engine uses for degree s: with shard_optimizer_state (s = 1), one root
     unit holding every parameter, its placement over all W data-parallel ranks."""
-    if not st.shard_optimizer_state:
+    if not _zero1(st, s):
         return units, s
-    if s != 1:
-        _fail("sharded_data_parallel_degree", s, "1 with shard_optimizer_state=True")
     return [UnitShapes("", [p for u in units for p in u.params])], st.dp_world
 
 
-def _split(units: List[UnitShapes], st: Settings, s: int, rank: int) -> List[_Unit]:
+def _zero1(st: Settings, s: int) -> bool:
+    """[Note: optimizer-state-only sharding]; with s > 1 [Note: optimizer rows over replicas] instead."""
+    return st.shard_optimizer_state and s == 1
+
+
+def _over_replicas(st: Settings, s: int) -> int:
+    """The replicas each unit's optimizer rows are cut over (1: not cut)."""
+    return st.dp_world // s if st.shard_optimizer_state and s > 1 else 1
+
+
+def _split(units: List[UnitShapes], st: Settings, s: int, rank: int, replica: int = 0) -> List[_Unit]:
+    reps = _over_replicas(st, s)
     units, s = _layout_units(units, st, s)
     t = st.tensor_parallel_degree
     out = []
     for u in units:
-        sharded, replicated, padded, local = [], [], [], []
+        sharded, replicated, padded, local, slots = [], [], [], [], []
         for p in u.params:
             shape = p.shape
             replicate = stays_replicated(shape, st.param_persistence_threshold, s)  # the global shape, as the engine
@@ -124,11 +138,12 @@ def _split(units: List[UnitShapes], st: Settings, s: int, rank: int) -> List[_Un
             if replicate:
                 replicated.append(p)
                 continue
-            rows = Rows(shape[0], math.prod(shape[1:]), s, rank)
+            rows = Rows(shape[0], math.prod(shape[1:]), s, rank, reps, replica if reps > 1 else 0)
             sharded.append(p)
             padded.append(rows.padded_numel)
-            local.append(rows.local_rows * rows.rest)
-        out.append(_Unit(sharded, replicated, padded, local))
+            local.append((rows.sub_hi - rows.sub_lo) * rows.rest)  # the optimizer's rows
+            slots.append(rows.sub_chunk * rows.rest)
+        out.append(_Unit(sharded, replicated, padded, local, slots))
     return out
 
 
@@ -149,16 +164,19 @@ def _unit_buckets(u: _Unit, st: Settings) -> List[int]:
     return [sum(u.padded[slots[k]] for k in run) for run in runs] if slots else []
 
 
-def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0) -> Dict[str, int]:
-    """What ``MiCSStrategy.model_state_bytes()`` reports on shard rank ``rank`` after a step."""
+def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0, replica: int = 0) -> Dict[str, int]:
+    """What ``MiCSStrategy.model_state_bytes()`` reports on shard rank ``rank`` (of replica ``replica``) after a
+    step."""
     master, _, reduce = st.dtypes()
     k = OPTIMIZER_STATES[st.optimizer]
-    units = _split(spec.units, st, s, rank)
+    units = _split(spec.units, st, s, rank, replica)
     params = grads = opt = 0
     for u in units:
         params += u.shard_numel * master + sum(math.prod(p.shape) for p in u.replicated) * master
         trainable = [i for i, p in enumerate(u.sharded) if p.trainable]
-        if trainable:
+        if trainable and _over_replicas(st, s) > 1:  # the reduce-scatter's output is the gradients
+            grads += sum(u.slots) * reduce if reduce == master else sum(u.local[i] for i in trainable) * master
+        elif trainable:
             grads += u.shard_numel * reduce if reduce == master else sum(u.local[i] for i in trainable) * master
         opt += k * master * (sum(u.local[i] for i in trainable)
                              + sum(math.prod(p.shape) for p in u.replicated if p.trainable))
@@ -167,7 +185,7 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0) -> D
         buckets = _world_buckets(units, st)
         grads += sum(buckets) * 4 if master == 4 else \
             sum(math.prod(p.shape) for u in units for p in u.replicated if p.trainable) * master
-    if st.shard_optimizer_state:  # the pinned root: its full parameters (gathered dtype) stay on every rank
+    if _zero1(st, s):  # the pinned root: its full parameters (gathered dtype) stay on every rank
         params += units[0].full_numel * st.dtypes()[1]
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
@@ -188,8 +206,9 @@ def _replica_bytes(b: int, r: int, reduce: int, st: Settings) -> int:
 
 def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, int]]:
     """Bytes and calls per collective and group per optimizer step, as the telemetry records them."""
-    _, gathered, reduce = st.dtypes()
+    master, gathered, reduce = st.dtypes()
     units = _split(spec.units, st, s, 0)
+    zero1 = _zero1(st, s)
     s = _layout_units(spec.units, st, s)[1]
     layout = plan_layout(st.dp_world, s, st.dp_per_node if st.dp_world > st.dp_per_node else None)
     two_hop = st.hierarchical_allgather and layout.hierarchical_possible
@@ -202,7 +221,7 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             entry["bytes"] += nbytes * calls
             entry["calls"] += calls
 
-    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding] in gradients.py
+    if zero1:  # [Note: optimizer-state-only sharding] in gradients.py
         root = units[0]
         if root.sharded and W > 1:
             for b in _unit_buckets(root, st):
@@ -232,8 +251,11 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             add("all_gather/shard", s * u.shard_numel * gathered, n_gathers)
         for b in _unit_buckets(u, st):
             add("reduce_scatter/shard", s * b * reduce, A)
-            if r > 1:
+            if r > 1 and not st.shard_optimizer_state:
                 add("all_reduce/replicate", _replica_bytes(b, r, reduce, st))
+        if r > 1 and st.shard_optimizer_state:  # [Note: optimizer rows over replicas]
+            add("reduce_scatter/replicate", r * sum(u.slots) * reduce)
+            add("all_gather/replicate", r * sum(u.slots) * master)
     if W > 1:
         for b in _world_buckets(units, st):
             add("all_reduce/world", b * 4)
@@ -301,27 +323,24 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     group = _layout_units(spec.units, st, s)[1]  # the shard group's size (all W ranks with shard_optimizer_state)
     # the reduce-scatter input lies in the unit's own storage when it fits and the unit is released after it
     # ([Note: staging in place] in gradients.py); the root inside an accumulation window, or pinned, stages apart
-    in_place = reduce <= gathered and not (largest is units[0] and (st.accumulation > 1 or st.shard_optimizer_state))
+    in_place = reduce <= gathered and not (largest is units[0] and (st.accumulation > 1 or _zero1(st, s)))
     buffers = group * largest.shard_numel * (gathered + (0 if in_place else reduce)) if group > 1 else 0
     links = {k: 0 for k in LINKS}
     for key, e in comm.items():
         links[_link_of(key, st, group)] += e["bytes"]
     budget = int(st.gpu_memory_gib * GiB * (1 - st.headroom))
-    held = 0 if st.shard_optimizer_state else peak * gathered  # pinned parameters are model state already
+    held = 0 if _zero1(st, s) else peak * gathered  # pinned parameters are model state already
     return Estimate(s, st.tensor_parallel_degree, st.dp_world // s, state, activation_bytes(spec, st), peak,
                     held, buffers, comm, links, _seconds(comm, st, group), budget)
 
 
 def degrees_to_plan(st: Settings, degrees: Optional[Sequence[int]] = None) -> List[int]:
-    """The sharding degrees to estimate: every divisor of the data-parallel world (only 1 with
-    ``shard_optimizer_state``, whose layout is fixed), or those of ``degrees``, which must be among them."""
+    """The sharding degrees to estimate: every divisor of the data-parallel world, or those of ``degrees``, which
+    must be among them (with ``shard_optimizer_state``: 1 is ZeRO-1, s > 1 the optimizer's rows over replicas)."""
     valid = [d for d in range(1, st.dp_world + 1) if st.dp_world % d == 0]
-    if st.shard_optimizer_state:  # [Note: optimizer-state-only sharding]: the layout is fixed
-        valid = [1]
     if degrees is not None:
         bad = [d for d in degrees if d not in valid]
         if bad:
-            _fail("degrees", list(degrees), f"divisors of the data-parallel world size {st.dp_world}: {valid}"
-                  if not st.shard_optimizer_state else "[1] with shard_optimizer_state=True")
+            _fail("degrees", list(degrees), f"divisors of the data-parallel world size {st.dp_world}: {valid}")
         valid = sorted(degrees)
     return valid

@@ -38,6 +38,7 @@ from lightning_mics import checkpoint as ckpt  # noqa: E402
 from lightning_mics.placement import is_sharded  # noqa: E402
 from tests.scripts.equiv import VOCAB, TiedFrozen, data, make_optimizer  # noqa: E402
 
+EXTRA = {}  # --extra: more strategy options for every run of this process
 THRESHOLD = 100  # biases stay replicated; every matrix is sharded, tiny.weight (3 rows) leaves rank 3 of s=4 none
 
 
@@ -81,6 +82,7 @@ def loader(world, rank):
 
 def trainer(world, s, epochs, callbacks=(), precision="32-true", **strategy):
     strategy.setdefault("param_persistence_threshold", THRESHOLD)
+    strategy = {**EXTRA, **strategy}
     return L.Trainer(accelerator="cpu", devices=world, max_epochs=epochs, use_distributed_sampler=False,
                      strategy=MiCSStrategy(sharded_data_parallel_degree=s, timeout=120, **strategy),
                      precision=precision, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -292,7 +294,9 @@ def main():
     ap.add_argument("--s", type=int, default=2)
     ap.add_argument("--ckpt", action="append", default=[], help="for load: NAME=REFERENCE (files in --out)")
     ap.add_argument("--resave", action="append", default=[], help="for load: save this one again once loaded")
+    ap.add_argument("--extra", default="{}", help="JSON: more strategy options for every run")
     args = ap.parse_args()
+    EXTRA.update(json.loads(args.extra))
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     out = Path(args.out)
     res = {}
