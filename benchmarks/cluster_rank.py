@@ -13,6 +13,9 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
   mics_host    ``MiCSStrategy(sharded_data_parallel_degree=2, ranks_per_node=2)``: a sharding group per host
   mics_twohop  ``MiCSStrategy(sharded_data_parallel_degree=4, hierarchical_allgather=True)``: one group over both
                hosts, the parameter all-gather in two hops
+  mics_host_os mics_host with ``shard_optimizer_state=True``: the optimizer's rows over the two hosts, the replica
+               all-reduce split into a reduce-scatter before the step and an all-gather that the next forward
+               waits for unit by unit ([Note: optimizer rows over replicas] in lightning_mics/optimizer_rows.py)
   mics_host_q8    mics_host with ``quantize_gradients=True``: the replica all-reduce (across hosts) in int8 blocks
   mics_twohop_q8  mics_twohop with ``quantize_allgather=True``: the gather's cross-host hop in int8 blocks
 The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
@@ -49,7 +52,8 @@ for p in (str(REPO), str(REPO / "benchmarks")):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop", "mics_host_q8", "mics_twohop_q8")
+CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop", "mics_host_os", "mics_host_q8",
+         "mics_twohop_q8")
 RANKS_PER_HOST = 2
 # collective -> index of the positional argument holding its larger buffer (the output of a gather, the input of
 # a reduce-scatter); every one of them takes ``group`` and ``async_op`` keywords
@@ -213,7 +217,8 @@ def make_strategy(case: str, clock: CommClock):
 
     if case.startswith("mics_host"):
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
-                            param_persistence_threshold=0, quantize_gradients=case.endswith("_q8"))
+                            param_persistence_threshold=0, quantize_gradients=case.endswith("_q8"),
+                            shard_optimizer_state=case.endswith("_os"))
     return MiCSStrategy(sharded_data_parallel_degree=2 * RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
                         hierarchical_allgather=True, param_persistence_threshold=0,
                         quantize_allgather=case.endswith("_q8"))

@@ -59,7 +59,8 @@ class OptimizerRows:
         this replica's rows of every parameter (``rows_of``)."""
         chunks = [self._chunk(accum, sp) for sp in self.params]
         return C.reduce_scatter_grads(chunks, self.group, self.r, dtype=accum.dtype, async_op=async_op,
-                                      log=self.log, group_name="replicate", kernels=self.kernels)
+                                      log=self.log, group_name="replicate", kernels=self.kernels,
+                                      fewest_bytes=True)  # [Note: reduce-scatter on gloo] in collectives.py
 
     def rows_of(self, out: Tensor, i: int) -> Tensor:
         """Parameter ``i``'s rows in this replica's row of the layout (a view; the shape of its DTensor's local)."""

@@ -124,7 +124,7 @@ def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
         seen = defaultdict(lambda: {"bytes": 0, "calls": 0})
         for op, group, nbytes in measured["steps"][-1]:
             if op == "all_to_all":  # the int8 replica all-reduce: the telemetry counts its wire once, as this
-                op = "all_reduce"
+                op = "all_reduce" if v.get("quantize_gradients") else "reduce_scatter"  # or a reduce-scatter on gloo
             elif op == "all_gather" and v.get("quantize_gradients") and list(group) == layout.replica_group_of(0):
                 continue  # ... and not its second collective, the all-gather of the same wire
             if op in ("all_gather", "reduce_scatter", "all_reduce"):

@@ -166,8 +166,9 @@ def setup(fabric, how, kind, layers=2):
     return model, fabric.setup_optimizers(optimizer(kind, model.parameters())), False
 
 
-def case_equiv(s, accum, kind, clip, how, precision="32-true"):
-    fabric = new_fabric(int(s), precision)
+def case_equiv(s, accum, kind, clip, how, precision="32-true", layout=""):
+    """``layout`` "os": shard_optimizer_state=True ([Note: optimizer rows over replicas] with s > 1)."""
+    fabric = new_fabric(int(s), precision, **({"shard_optimizer_state": True} if layout == "os" else {}))
     accum = int(accum)
     model, opt, on_meta = setup(fabric, how, kind)
     init = full_state(fabric, model)
