@@ -51,7 +51,8 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
 
     Collective over the shard group of ``dst`` (a global rank; ``None``: every rank, all of them take part; with
     tensor parallelism every rank takes part, and the tensor-parallel parts are gathered too, as in
-    ``MiCSEngine.full_state_dict``). Sharded state (DTensors with a Shard placement) is gathered unit by unit and
+    ``MiCSEngine.full_state_dict``; with the optimizer's rows over replicas every rank takes part, each first
+    gathering its chunk over its replica group). Sharded state (DTensors with a Shard placement) is gathered unit by unit and
     key by key, so no rank holds more than one unit's worth of one state key beyond its shards; returns {} on
     ranks other than ``dst``.
     """

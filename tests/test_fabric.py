@@ -93,6 +93,10 @@ def test_error_feedback_residuals_resume_from_a_sharded_checkpoint(four):
         assert r["full"]["rel"] > 1e-4, (case, r)
         assert len(r["full"]["warned"]) == 1 and "a full checkpoint holds only" in r["full"]["warned"][0], (case, r)
         assert r["sharded"]["dtypes"] == r["full"]["dtypes"] == ["torch.float32"], (case, r)
+    for res in results:  # residuals whose size does not match their bucket: refused, none of them taken
+        foreign = res["feedback:2"]["foreign"]
+        assert foreign["error"] and "the checkpoint is of another model" in foreign["error"], foreign
+        assert foreign["kept"] and foreign["entries"] >= 1, foreign
     warned = results[0]["feedback_load:2:64"]["warned"]
     assert len(warned) == 1 and "another layout (block_size 32 -> 64)" in warned[0], warned
     assert all(res["feedback_load:2:64"]["warned"] == [] for res in results[1:])  # said once, by rank 0

@@ -341,7 +341,9 @@ def case_feedback(s, precision="32-true"):
     for fmt in ("sharded", "full"):
         fabric = new_fabric(int(s), precision, state_dict_type=fmt, **EF)
         path = OUT / f"ef-{fmt}" if fmt == "sharded" else OUT / "ef-full.pt"
-        straight, resumed, _, _, warned = _save_halfway_and_resume(fabric, path, "sgd", "none")
+        straight, resumed, state, _, warned = _save_halfway_and_resume(fabric, path, "sgd", "none")
+        if fmt == "sharded":
+            out["foreign"] = _refuses_foreign_residuals(state["model"])
         if fabric.global_rank == 0:
             saved = lightning_mics.consolidate(path)["model"].values()
             out[fmt] = {"rel": compare(resumed, straight), "warned": warned,
@@ -352,6 +354,28 @@ def case_feedback(s, precision="32-true"):
                 index = files.read_index(path)
                 out[fmt]["ranks"] = sorted({p[2] for p in index.planner_data.values() if p[0] == KEY})
     return out
+
+
+def _refuses_foreign_residuals(model):
+    """Residuals of the right names but another size (a checkpoint of another model) given to the engine that
+    just resumed: refused with a ValueError, and none taken, not even one of the right size listed before it."""
+    from lightning_mics import feedback_state
+    from lightning_mics.frontend import ENGINES
+
+    engine = ENGINES[model.module]
+    before = [g.residual_state() for g in engine.grads.all]
+    have = [(i, slots, res) for i, st in enumerate(before) for slots, res in st.items()]
+    (i0, s0, r0), (i1, s1, r1) = have[0], have[-1]
+    name = lambda i, slots: f"u{i}_{'-'.join(map(str, slots))}"  # noqa: E731
+    foreign = {name(i0, s0): {"contribution": r0.contribution.clone(), "reduced": r0.reduced.clone()},
+               name(i1, s1): {"contribution": torch.zeros(r1.contribution.numel() + 1), "reduced": r1.reduced}}
+    try:
+        feedback_state._restore(engine, {"rank0": foreign})
+        error = None
+    except ValueError as err:
+        error = str(err)
+    kept = all(g.residual_state()[k] is v for g, st in zip(engine.grads.all, before) for k, v in st.items())
+    return {"error": error, "kept": kept, "entries": len(have)}
 
 
 def case_feedback_load(s, block):
