@@ -275,6 +275,21 @@ def test_optimizer_state_sharding_on_the_command_line():
     assert zero1["optimizer"] < plain.estimate(1).model_state["optimizer"] / 7
 
 
+def test_optimizer_rows_over_replicas_in_the_plan():
+    """shard_optimizer_state with s > 1 ([Note: optimizer rows over replicas]): at s = 8 over 2 nodes (r = 2) the
+    optimizer state per GPU is half of plain s = 8's, parameters and gradients as they are; the explanation
+    says how the replicas meet."""
+    kw = dict(gpus_per_node=8, nodes=2, param_persistence_threshold=0, gpu_memory_gib=2.5)
+    over = lightning_mics.plan("gpt2", shard_optimizer_state=True, degrees=[8], **kw)
+    plain = lightning_mics.plan("gpt2", degrees=[8], **kw)
+    a, b = over.estimate(8).model_state, plain.estimate(8).model_state
+    assert a["params"] == b["params"] and abs(a["optimizer"] - b["optimizer"] / 2) <= 0.01 * b["optimizer"], (a, b)
+    assert a["grads"] < b["grads"]  # the optimizer sees this replica's rows of the reduced gradients
+    assert "each replica steps 1/r of the shard" in over.explain(), over.explain()
+    assert "ZeRO-1" in lightning_mics.plan("gpt2", shard_optimizer_state=True, degrees=[1],
+                                           **dict(kw, gpu_memory_gib=40)).explain()
+
+
 def test_recommends_the_smallest_degree_that_fits():
     p = lightning_mics.plan("gpt-neox-20b", nodes=4, micro_batch=1, **P4D)
     fitting = [e.s for e in p.estimates if e.fits]
