@@ -5,7 +5,8 @@ tests compare the final parameters (and what each case observed) against DDP, or
 process on the union of the ranks' batches where DDP is no control: DDP never reduces a parameter that was
 frozen when it was built, so BackboneFinetuning under DDP lets the ranks drift apart.
 MiCS runs with s = 2 and every parameter sharded (param_persistence_threshold=0), on 2 ranks (r = 1) and on 4
-ranks (r = 2).
+ranks (r = 2); on 4 ranks also with ``shard_optimizer_state=True`` (``mics_os``: the optimizer's rows over the 2
+replicas, their all-gather after every step).
 """
 
 import math
@@ -59,23 +60,24 @@ def assert_params_close(got, ref, tol, moved_from=None):
 
 
 WORLDS = [2, 4]
+MICS = [("mics", 2), ("mics", 4), ("mics_os", 4)]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("kind, world", MICS)
 @pytest.mark.parametrize("case", ["manual1", "manual_accum", "manual2"])
-def test_manual_optimization_equals_ddp(runs, world, case):
+def test_manual_optimization_equals_ddp(runs, kind, world, case):
     """One optimizer with clip_gradients and a scheduler; accumulation by hand (two backward passes, no zero_grad
     between them); two optimizers with toggle_optimizer and a forward after a step inside one training_step."""
-    got, ref = load(runs, "mics", world, case), load(runs, "ddp", world, case)
+    got, ref = load(runs, kind, world, case), load(runs, "ddp", world, case)
     assert_params_close(got["params"], ref["params"], 1e-6)
     assert got["param_types"] == ["Parameter"]  # plain again after fit
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_module_called_outside_steps_equals_ddp(runs, world):
+@pytest.mark.parametrize("kind, world", MICS)
+def test_module_called_outside_steps_equals_ddp(runs, kind, world):
     """The module called from its own on_train_epoch_end (grad enabled) and from a sampling callback (the whole
     module, and a root-owned submodule directly) sees full parameters: same outputs as under DDP."""
-    got, ref = load(runs, "mics", world, "calls_itself"), load(runs, "ddp", world, "calls_itself")
+    got, ref = load(runs, kind, world, "calls_itself"), load(runs, "ddp", world, "calls_itself")
     for key in ("self_calls", "outputs", "heads", "after_fit"):
         assert got[key].shape == ref[key].shape, key  # e.g. (3 epochs, 2, 32): all 32 classes, not a shard's 16
         assert rel(got[key], ref[key]) <= 1e-5, key
@@ -90,9 +92,9 @@ def test_model_summary_counts_full_parameters(runs, world):
     assert got["layers"] == ref["layers"]
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_bf16_mixed_returns_fp32_masters(runs, world):
-    got, ref = load(runs, "mics", world, "bf16"), load(runs, "ddp", world, "bf16")
+@pytest.mark.parametrize("kind, world", MICS)
+def test_bf16_mixed_returns_fp32_masters(runs, kind, world):
+    got, ref = load(runs, kind, world, "bf16"), load(runs, "ddp", world, "bf16")
     sd = got["state_dict"]
     for name, p in got["params"].items():
         # bit for bit the masters the strategy held at the end of training (gathered in their own dtype)
@@ -110,9 +112,9 @@ def test_bf16_mixed_returns_fp32_masters(runs, world):
     assert_params_close(got["params"], ref["params"], 1e-1)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_resume_from_full_checkpoint_under_bf16_equals_uninterrupted(runs, world):
-    got = load(runs, "mics", world, "resume_bf16")
+@pytest.mark.parametrize("kind, world", MICS)
+def test_resume_from_full_checkpoint_under_bf16_equals_uninterrupted(runs, kind, world):
+    got = load(runs, kind, world, "resume_bf16")
     assert_params_close(got["params"], got["uninterrupted"], 1e-6)
 
 
@@ -124,9 +126,9 @@ def test_backbone_finetuning_thaws_like_one_process(runs, world):
     assert_params_close(got["params"], ref["params"], 1e-6)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_failed_fit_then_second_fit_equals_ddp(runs, world):
-    got, ref = load(runs, "mics", world, "fail_refit"), load(runs, "ddp", world, "fail_refit")
+@pytest.mark.parametrize("kind, world", MICS)
+def test_failed_fit_then_second_fit_equals_ddp(runs, kind, world):
+    got, ref = load(runs, kind, world, "fail_refit"), load(runs, "ddp", world, "fail_refit")
     assert_params_close(got["params"], ref["params"], 1e-6)
 
 

@@ -260,8 +260,9 @@ class Boom(Base):
 
 # -- running ---------------------------------------------------------------------------------------------------
 def strategy_for(kind):
-    if kind == "mics":
-        return MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0)
+    if kind in ("mics", "mics_os"):  # mics_os: [Note: optimizer rows over replicas] (r = 2 on 4 ranks)
+        return MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0,
+                            shard_optimizer_state=kind == "mics_os")
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
     return "auto"
