@@ -52,9 +52,9 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
     Collective over the shard group of ``dst`` (a global rank; ``None``: every rank, all of them take part; with
     tensor parallelism every rank takes part, and the tensor-parallel parts are gathered too, as in
     ``MiCSEngine.full_state_dict``; with the optimizer's rows over replicas every rank takes part, each first
-    gathering its chunk over its replica group). Sharded state (DTensors with a Shard placement) is gathered unit by unit and
-    key by key, so no rank holds more than one unit's worth of one state key beyond its shards; returns {} on
-    ranks other than ``dst``.
+    gathering its chunk over its replica group). Sharded state (DTensors with a Shard placement) is gathered
+    unit by unit and key by key, so no rank holds more than one unit's worth of one state key beyond its shards;
+    returns {} on ranks other than ``dst``.
     """
     engine.quiesce()
     rank = dist.get_rank()
@@ -171,8 +171,7 @@ def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[
         for u in engine.units:
             u.settle_rows()  # the other replicas' rows are in ([Note: optimizer rows over replicas])
         # the chunks as saved without optimizer rows over replicas (``held``), so checkpoints do not depend on it
-        held = {id(q): getattr(p, "held", p.sharded) for u in engine.units for p in u.all_params()
-                for q in (p.full, p.sharded)}
+        held = {id(q): p.held for u in engine.units for p in u.all_params() for q in (p.full, p.sharded)}
         for name, t in module.state_dict(keep_vars=True).items():
             if id(t) in held:
                 sd[name] = held[id(t)].detach()

@@ -3,12 +3,13 @@
 Each rank of a shard group holds a different slice of every sharded gradient, and after the replica
 all-reduce every replica holds the same slices, so a sharded gradient's squared norm is summed over the
 *shard group only* (with the optimizer's rows over replicas, [Note: optimizer rows over replicas] in
-optimizer_rows.py, a gradient is a slice over both axes and summed over both). Replicated (small) parameters hold the same whole gradient on every rank: counted once,
-locally. With tensor parallelism a gradient can also be a slice over the "tp" axis. Which is which is read
-from the gradient's placement ([Note: placement] in placement.py): gradients are grouped by the mesh
-dimensions over which they are slices, and each group's local sum is all-reduced over exactly those
-dimensions. The groups are the same on every rank (placements are), so every rank issues the same
-collectives. The result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded model.
+optimizer_rows.py, a gradient is a slice over both axes and summed over both). Replicated (small) parameters
+hold the same whole gradient on every rank: counted once, locally. With tensor parallelism a gradient can also
+be a slice over the "tp" axis. Which is which is read from the gradient's placement ([Note: placement] in
+placement.py): gradients are grouped by the mesh dimensions over which they are slices, and each group's local
+sum is all-reduced over exactly those dimensions. The groups are the same on every rank (placements are), so
+every rank issues the same collectives. The result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded
+model.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class MiCSEngine:
         kernels, prefetch, max_live_parameters = options.kernels, options.prefetch, options.max_live_parameters
         hierarchical, activation_checkpointing = options.hierarchical_allgather, options.activation_checkpointing
         checkpoint_group_size, activation_offload = options.checkpoint_group_size, options.activation_offload
-        reshard_after_forward, optimizer_state_only = options.reshard_after_forward, options.shard_optimizer_state
+        reshard_after_forward = options.reshard_after_forward
         self.log = CommLog()
         # [Note: optimizer rows over replicas] in optimizer_rows.py (s > 1) or [Note: optimizer-state-only
         # sharding] in gradients.py (s = 1: the shard group is every rank)

@@ -91,18 +91,12 @@ class OptimizerRows:
         if res is None:
             return
         out = C.gathered(res, self.log)
-        me = self.params[0].rows.replica if self.params else 0
         with torch.no_grad():
-            for i, sp in enumerate(self.params):
-                rows, o = sp.rows, self.offsets[i]
+            for sp, o in zip(self.params, self.offsets):
                 for j in range(self.r):
-                    lo, hi = min(j * rows.sub_chunk, rows.local_rows), min((j + 1) * rows.sub_chunk, rows.local_rows)
-                    if j != me and hi > lo:
-                        sp.local[lo:hi].view(-1).copy_(out[j, o:o + (hi - lo) * rows.rest])
-
-    @property
-    def in_flight(self) -> bool:
-        return self._pending is not None
+                    lo, hi = sp.rows.sub_rows(j)
+                    if j != sp.rows.replica and hi > lo:
+                        sp.local[lo:hi].view(-1).copy_(out[j, o:o + (hi - lo) * sp.rows.rest])
 
     def drop(self) -> None:
         """Local reset after a failure: no wait (a peer may be gone); rows that already arrived are taken."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -173,13 +173,17 @@ class Rows:
     def sub_chunk(self) -> int:  # padded rows per replica: torch.chunk's of the chunk's unpadded rows
         return math.ceil(self.local_rows / self.replicas)
 
+    def sub_rows(self, replica: int) -> Tuple[int, int]:
+        """The rows of the chunk that replica ``replica`` steps, relative to the chunk: [lo, hi)."""
+        return min(replica * self.sub_chunk, self.local_rows), min((replica + 1) * self.sub_chunk, self.local_rows)
+
     @property
-    def sub_lo(self) -> int:  # the optimizer's rows, relative to the chunk
-        return min(self.replica * self.sub_chunk, self.local_rows)
+    def sub_lo(self) -> int:  # this replica's rows (the optimizer's), relative to the chunk
+        return self.sub_rows(self.replica)[0]
 
     @property
     def sub_hi(self) -> int:
-        return min((self.replica + 1) * self.sub_chunk, self.local_rows)
+        return self.sub_rows(self.replica)[1]
 
 
 class _Placed:
@@ -279,6 +283,7 @@ class ReplicatedParam(_Placed):
         self.sharded = nn.Parameter(as_dtensor(data, self.spec), requires_grad=orig.requires_grad)
         self.full = nn.Parameter(as_dtensor(data, self.tp_spec) if self.tp_spec is not None else data,
                                  requires_grad=orig.requires_grad)
+        self.held = self.sharded  # what a sharded checkpoint holds (as ``ShardedParam.held``)
 
     def local_rows_of(self, full: Tensor) -> Tensor:
         """This rank's part of a global tensor: the tensor-parallel part, or the whole tensor."""

@@ -35,8 +35,8 @@ TIED_FIXED = ("frozen.weight", "frozen.bias", "unused.weight", "unused.bias")
 # Every layout (s, r) in {(1,4), (2,2), (4,1)}; prefetch 0 and 2 besides the default 1; the two-hop all-gather
 # (s = 4 over 2 simulated nodes of 2 ranks); activation checkpointing of each model's blocks, one at a time,
 # grouped by 2, and grouped with the boundary activations offloaded; optimizer-state-only sharding (s = 1), the
-# optimizer's rows over replicas (s = 2 with shard_optimizer_state) and keep-gathered mode. Trained one after another in the same 4
-# processes, with accumulation 2, each against the same single-process reference.
+# optimizer's rows over replicas (s = 2 with shard_optimizer_state) and keep-gathered mode. Trained one after
+# another in the same 4 processes, with accumulation 2, each against the same single-process reference.
 BLOCKS = {"gpt": "lightning_mics.app.models.gpt.Block", "demo": "torch.nn.TransformerEncoderLayer",
           "tied": "torch.nn.Sequential"}
 VARIANTS = {

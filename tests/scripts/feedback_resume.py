@@ -60,7 +60,8 @@ def fit(out, world, train, kind, ckpt=None, save=False, epochs=2, precision="32-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--precision", default="32-true", help="the Trainer's precision; the after-fit save runs in 32-true only")
+    ap.add_argument("--precision", default="32-true",
+                    help="the Trainer's precision; the after-fit save runs in 32-true only")
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     x, y = data(world, BATCH, STEPS_PER_EPOCH, 1)
