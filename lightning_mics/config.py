@@ -107,10 +107,6 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
             "a single replica (s = the data-parallel size) has no replica all-reduce"
         _fail("quantize_gradients", cfg.quantize_gradients,
               f"False with sharded_data_parallel_degree={s} and {r} replica(s): {why}")
-    if cfg.quantize_gradients is not False and cfg.shard_optimizer_state:
-        _fail("quantize_gradients", cfg.quantize_gradients,
-              f"False with shard_optimizer_state=True and sharded_data_parallel_degree={s}: the replica sync is "
-              "then a reduce-scatter and an all-gather, which have no int8 form here")
     p, t = ranks_per_node, cfg.tensor_parallel_degree
     two_hop = t == 1 and s > p and s % p == 0 and cfg.hierarchical_allgather is not False
     if cfg.quantize_allgather and not two_hop:

@@ -136,6 +136,10 @@ class MiCSEngine:
         """[``Schedule.quiesce``]: every unit not running released (``pinned``: pinned ones too)."""
         self.schedule.quiesce(pinned)
 
+    def before_optimizer_step(self) -> None:
+        """Pre-step hook of every optimizer ([``Schedule.before_optimizer_step``])."""
+        self.schedule.before_optimizer_step()
+
     def after_optimizer_step(self) -> None:
         """Post-step hook of every optimizer ([``Schedule.after_optimizer_step``])."""
         self.schedule.after_optimizer_step()

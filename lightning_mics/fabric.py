@@ -210,6 +210,7 @@ class MiCSStrategy(ParallelStrategy):
                  "fabric.setup(model, optimizer)")
         F.check_optimizer(engine or self._engines[-1], optimizer, where)
         if engine is not None:
+            self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))
             self._step_hooks.append(optimizer.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
         self._optimizers.append(optimizer)
         return optimizer

@@ -73,9 +73,12 @@ def _layout(engine: Optional[MiCSEngine]) -> Optional[Dict[str, Any]]:
     if engine is None or engine.options.quantize_gradients != "error_feedback":
         return None
     lay, o = engine.topo.layout, engine.options
-    return {"world_size": lay.world_size, "shard_size": lay.shard_size, "tp_size": lay.tp_size,
-            "bucket_size": o.reduce_bucket_size, "block_size": o.quantization_block_size,
-            "reduce_dtype": str(o.reduce_dtype), "units": len(engine.units)}
+    out = {"world_size": lay.world_size, "shard_size": lay.shard_size, "tp_size": lay.tp_size,
+           "bucket_size": o.reduce_bucket_size, "block_size": o.quantization_block_size,
+           "reduce_dtype": str(o.reduce_dtype), "units": len(engine.units)}
+    if any(u.optimizer_rows is not None for u in engine.units):  # [Note: quantized optimizer rows]
+        out["optimizer_rows"] = True
+    return out
 
 
 def _state(engine: Optional[MiCSEngine], rank: int) -> Dict[str, Any]:
@@ -113,7 +116,7 @@ def _restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:
                                                                                  parts["reduced"])
     for i, g in enumerate(engine.grads.all):  # every size checked before any is taken
         for slots, res in by_unit.get(i, {}).items():
-            n = sum(g.params[k].rows.padded_numel for k in slots) if max(slots) < len(g.params) else -1
+            n = g.residual_numel(slots) if max(slots) < len(g.params) else -1
             if res.contribution.numel() != n:
                 raise ValueError(f"an error-feedback residual of {res.contribution.numel()} elements was saved for "
                                  f"parameters {list(slots)[:6]} of unit {i} ({type(g.unit.module).__name__}), whose "

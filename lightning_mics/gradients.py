@@ -75,8 +75,10 @@ class UnitGrads:
         self.accum = self.late = self.reduced = None
         self.replica_issued = False
         self._replica_work.clear()
-        if not keep_feedback:
-            self._residuals.clear()  # a failed step may have left a residual half-used
+        if not keep_feedback:  # a failed step may have left a residual half-used
+            self._residuals.clear()
+            if self.rows is not None:
+                self.rows.residual = None
         self.stash = [None] * len(self.params)
         self.got_grad.zero_()
 
@@ -101,21 +103,11 @@ class UnitGrads:
     def _regions(self, bucket: _Bucket, flat: Tensor) -> List[Tensor]:
         return [flat[sp.offset:sp.offset + sp.rows.padded_numel] for sp in (self.params[i] for i in bucket.slots)]
 
-    # [Note: staging in place]
-    # A unit released right after its gradients are reduce-scattered no longer needs its full parameters once the
-    # reduction starts: its backward is done. The rank-major reduce-scatter input is laid out in the unit's own
-    # full-parameter storage (allocated with room for it: the padded s x S elements in reduce_dtype, when
-    # reduce_dtype is no wider than param_dtype), instead of in a new buffer of the unit's size. The release then
-    # leaves the storage allocated until the last reduce-scatter reading it is waited for (``finish_reduce`` frees
-    # it: ``Unit.done_reading``), and a gather or refresh that writes the storage first waits for those reductions.
-    # Units kept gathered (the root inside an accumulation window, a pinned unit, a unit still running its forward)
-    # stage in a buffer of their own as before. On CPU, where a buffer above glibc's mmap threshold is a fresh
-    # mapping every time, this saves the page faults of one unit-sized buffer per reduction; everywhere it lowers
-    # the backward peak by one.
     def issue_reduce(self, releasing: bool = False) -> List[_PendingReduce]:
         """Reduce-scatters the full gradients of the trainable parameters (zeros where this rank has none),
         bucket by bucket, async; frees the full gradients. ``finish_reduce`` adds the results. ``releasing``:
-        the unit is released right after, so its full storage can hold the input ([Note: staging in place])."""
+        the unit is released right after, so its full storage can hold the input ([Note: staging in place] in
+        unit.py)."""
         self.needs_reduce = False
         slots = self.trainable()
         pending: List[_PendingReduce] = []
@@ -237,21 +229,32 @@ class UnitGrads:
 
     def start_replica_gathers(self) -> None:
         """Int8 replica all-reduces whose all-to-all is in flight wait for it and issue their all-gather."""
-        for work, _, _ in self._replica_work:
-            if isinstance(work, Q.QuantizedReduce) and work.stage == 1:
+        for work, _, _ in self._replica_work:  # (the optimizer rows' reduce-scatter has no all-gather to issue)
+            if isinstance(work, Q.QuantizedReduce) and work.stage == 1 and self.rows is None:
                 work.advance()
 
     def residuals(self) -> List[Tensor]:
         """The error-feedback state this rank keeps (model-state accounting)."""
-        return [t for res in self._residuals.values() for t in res]
+        return [t for res in self.residual_state().values() for t in res]
 
     def residual_state(self) -> Dict[Tuple[int, ...], Q.Residual]:
-        """This rank's error-feedback residuals by bucket ([Note: residuals in checkpoints] in feedback_state.py)."""
+        """This rank's error-feedback residuals by bucket ([Note: residuals in checkpoints] in feedback_state.py);
+        the optimizer rows' one under the unit's trainable parameters ([Note: quantized optimizer rows])."""
+        if self.rows is not None:
+            return {self.trainable(): self.rows.residual} if self.rows.residual is not None else {}
         return dict(self._residuals)
+
+    def residual_numel(self, slots: Tuple[int, ...]) -> int:
+        """Elements of the contribution half of the residual of ``slots``' bucket (of the optimizer rows)."""
+        return self.rows.residual_numel() if self.rows is not None else \
+            sum(self.params[k].rows.padded_numel for k in slots)
 
     def restore_residuals(self, state: Dict[Tuple[int, ...], Q.Residual]) -> None:
         """Takes ``state`` (``residual_state`` of a run with this layout, checked by the caller) as this rank's."""
-        self._residuals = dict(state)
+        if self.rows is not None:
+            self.rows.residual = state.get(self.trainable())
+        else:
+            self._residuals = dict(state)
 
     def finish_replica_sync(self) -> None:
         """Waits for the replica all-reduce (issuing it first if nothing did); a contribution reduced after it

@@ -22,6 +22,24 @@ in fp32 the same, with a lower reduce_dtype the gather half moves master-dtype r
 of it overlaps the forward instead of queueing after the backward, and each replica's optimizer steps 1/r of
 the rows and holds 1/r of the state. The model's sharded checkpoint holds the chunks as without the option
 (``ShardedParam.held``); the optimizer state is saved and resharded through its DTensor placement.
+
+[Note: quantized optimizer rows]
+With ``quantize_gradients`` the reduce-scatter travels as int8 blocks: steps 1-3 of [Note: quantized all-reduce]
+(quantized.py), the replica-major layout's rows padded to a multiple of 4 elements so that each replica's row is
+one quantized chunk. The all-gather carries parameters, not gradients: rounding them would leave every replica's
+masters off by a quantum, and an update smaller than half a quantum would be lost on every step. So it stays in
+the master dtype with ``quantize_gradients=True``; with ``"error_feedback"`` what travels in int8 is the step's
+*change* of this replica's rows plus the rounding error left by the last one (the residual's ``reduced`` half):
+- before the step (the optimizers' pre-step hook) this replica's rows are copied (``snapshot``);
+- after it, delta = rows - copy; the rows go back to the copy, and delta + residual is quantized and all-gathered;
+- every replica, this one included, adds each replica's dequantized delta to that replica's rows (``settle``).
+All replicas then hold the same bits, as in fp32: each adds the same dequantized values to the same rows. The
+masters move by the quantized deltas; summed over steps they differ from the optimizer's own updates only by
+the last residual, within one quantization's bound ([Note: error feedback]): the error does not accumulate.
+Per step and replica the link carries about n / 2 + n / 2 bytes (int8 both ways, scales 4/B) against the fp32
+all-reduce's 4 n: a quarter, as the quantized all-reduce. The residuals (the contribution's r x row elements in
+the reduction dtype, the delta's row in the master dtype) are carried by sharded checkpoints like the others
+([Note: residuals in checkpoints] in feedback_state.py).
 """
 
 from __future__ import annotations
@@ -32,6 +50,7 @@ import torch
 from torch import Tensor
 
 from lightning_mics import collectives as C
+from lightning_mics import quantized as Q
 from lightning_mics.placement import ShardedParam
 from lightning_mics.telemetry import CommLog
 from lightning_mics.topology import Topology
@@ -41,12 +60,18 @@ class OptimizerRows:
     """One unit's optimizer rows over the replica group ([Note: optimizer rows over replicas]): where each
     parameter's rows sit in the replica-major layout, the gradients' reduce-scatter, the rows' all-gather."""
 
-    def __init__(self, params: Sequence[ShardedParam], topo: Topology, log: CommLog, kernels: str) -> None:
+    def __init__(self, params: Sequence[ShardedParam], topo: Topology, log: CommLog, kernels: str,
+                 quantize: Optional[Q.QuantizeSpec] = None) -> None:
         self.params, self.log, self.kernels = list(params), log, kernels
         self.group, self.r = topo.replica_group, topo.layout.replicas
         self.offsets: List[int] = [0]  # of each parameter's slot in one replica's row of the layout
         for sp in self.params:
             self.offsets.append(self.offsets[-1] + sp.rows.sub_chunk * sp.rows.rest)
+        self.quantize = quantize or Q.QuantizeSpec()  # [Note: quantized optimizer rows]
+        self.deltas = self.quantize.gradients == "error_feedback"  # the all-gather sends int8 deltas
+        self.row = -(-self.offsets[-1] // 4) * 4  # one replica's row, a whole quantized chunk
+        self.residual: Optional[Q.Residual] = None  # error feedback: (contribution, delta), lazily
+        self._before: Optional[Tensor] = None  # this replica's rows before the step (``snapshot``)
         self._pending: Optional[C.AllGatherResult] = None  # the updated rows' all-gather, in flight
 
     @staticmethod
@@ -58,9 +83,30 @@ class OptimizerRows:
         """Sums ``accum`` (the window's shard gradients, flat-shard layout) over the replicas; the output holds
         this replica's rows of every parameter (``rows_of``)."""
         chunks = [self._chunk(accum, sp) for sp in self.params]
-        return C.reduce_scatter_grads(chunks, self.group, self.r, dtype=accum.dtype, async_op=async_op,
-                                      log=self.log, group_name="replicate", kernels=self.kernels,
-                                      fewest_bytes=True)  # [Note: reduce-scatter on gloo] in collectives.py
+        if not self.quantize.gradients:
+            return C.reduce_scatter_grads(chunks, self.group, self.r, dtype=accum.dtype, async_op=async_op,
+                                          log=self.log, group_name="replicate", kernels=self.kernels,
+                                          fewest_bytes=True)  # [Note: reduce-scatter on gloo] in collectives.py
+        send = torch.zeros(self.r, self.row, dtype=accum.dtype, device=accum.device)  # replica-major, padded
+        for sp, o, chunk in zip(self.params, self.offsets, chunks):
+            for j in range(self.r):
+                lo, hi = sp.rows.sub_rows(j)
+                send[j, o:o + (hi - lo) * sp.rows.rest].copy_(chunk[lo:hi].reshape(-1))
+        res = Q.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
+                                         residual=self._residual(accum.dtype).contribution if self.deltas else None,
+                                         log=self.log, group_name="replicate", kernels=self.kernels)
+        return C.ReduceScatterResult(res.output, res if async_op else None)  # ``C.wait`` finishes the sum
+
+    def _residual(self, reduce_dtype: torch.dtype) -> Q.Residual:
+        if self.residual is None:
+            master = self.params[0].local
+            self.residual = Q.Residual(torch.zeros(self.r * self.row, dtype=reduce_dtype, device=master.device),
+                                       torch.zeros(self.row, dtype=master.dtype, device=master.device))
+        return self.residual
+
+    def residual_numel(self) -> int:
+        """Elements of the contribution half of the error-feedback state (checked when a checkpoint restores it)."""
+        return self.r * self.row
 
     def rows_of(self, out: Tensor, i: int) -> Tensor:
         """Parameter ``i``'s rows in this replica's row of the layout (a view; the shape of its DTensor's local)."""
@@ -69,24 +115,53 @@ class OptimizerRows:
         return out[o:o + sp.rows.sub_chunk * sp.rows.rest].view(sp.rows.sub_chunk, *sp.shape[1:])[
             : sp.rows.sub_hi - sp.rows.sub_lo]
 
-    def _gather(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, device: torch.device,
-                async_op: bool) -> C.AllGatherResult:
-        send = torch.zeros(self.offsets[-1], dtype=dtype, device=device)
+    def _pack(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, device: torch.device,
+              numel: int) -> Tensor:
+        send = torch.zeros(numel, dtype=dtype, device=device)
         for i, t in enumerate(locals_):
             if t is not None and t.numel():
                 send[self.offsets[i]:self.offsets[i] + t.numel()].copy_(t.reshape(-1))
+        return send
+
+    def _gather(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, device: torch.device,
+                async_op: bool) -> C.AllGatherResult:
+        send = self._pack(locals_, dtype, device, self.offsets[-1])
         return C.all_gather_flat(send, self.group, self.r, async_op=async_op, log=self.log, group_name="replicate")
 
-    # -- the master rows after a step -----------------------------------------------------------------------
+    # -- the master rows around a step ----------------------------------------------------------------------
+    def snapshot(self) -> None:
+        """Before an optimizer step, with int8 deltas ([Note: quantized optimizer rows]): this replica's rows as
+        every replica holds them."""
+        if self.deltas:
+            self.settle()
+            ref = self.params[0].local
+            with torch.no_grad():
+                self._before = self._pack([sp.stepped for sp in self.params], ref.dtype, ref.device, self.row)
+
     def share(self, shard_flat: Tensor) -> None:
         """After an optimizer step: starts the all-gather of this replica's updated rows (async)."""
         self.settle()
-        self._pending = self._gather([sp.stepped for sp in self.params], shard_flat.dtype, shard_flat.device,
-                                     async_op=True)
+        if not self.deltas:
+            self._pending = self._gather([sp.stepped for sp in self.params], shard_flat.dtype, shard_flat.device,
+                                         async_op=True)
+            return
+        before, self._before = self._before, None
+        if before is None:
+            raise RuntimeError("MiCS engine: an optimizer step with int8 deltas of the optimizer's rows but no "
+                               "snapshot before it (the optimizer's pre-step hook did not run)")
+        with torch.no_grad():
+            delta = self._pack([sp.stepped for sp in self.params], before.dtype, before.device, self.row)
+            delta.sub_(before)
+            for sp, o in zip(self.params, self.offsets):  # back to what every replica holds; ``settle`` adds
+                sp.stepped.view(-1).copy_(before[o:o + sp.stepped.numel()])
+        self._pending = Q.quantized_all_gather(delta, self.group, self.r, self.quantize.block_size, async_op=True,
+                                               residual=self._residual(before.dtype).reduced, log=self.log,
+                                               group_name="replicate", kernels=self.kernels)
 
     def settle(self) -> None:
         """Waits for the rows' all-gather, if one is in flight, and writes the other replicas' rows into the
-        chunks. This replica's own rows are left as they are (another optimizer may have stepped them since)."""
+        chunks. This replica's own rows are left as they are (another optimizer may have stepped them since);
+        with int8 deltas every replica's delta is added to its rows, this one's included."""
         res, self._pending = self._pending, None
         if res is None:
             return
@@ -95,14 +170,18 @@ class OptimizerRows:
             for sp, o in zip(self.params, self.offsets):
                 for j in range(self.r):
                     lo, hi = sp.rows.sub_rows(j)
-                    if j != sp.rows.replica and hi > lo:
-                        sp.local[lo:hi].view(-1).copy_(out[j, o:o + (hi - lo) * sp.rows.rest])
+                    if hi == lo or (j == sp.rows.replica and not self.deltas):
+                        continue
+                    rows = sp.local[lo:hi].view(-1)
+                    got = out[j, o:o + (hi - lo) * sp.rows.rest]
+                    rows.add_(got) if self.deltas else rows.copy_(got)
 
     def drop(self) -> None:
-        """Local reset after a failure: no wait (a peer may be gone); rows that already arrived are taken."""
+        """Local reset after a failure: no wait (a peer may be gone); rows that already arrived are taken. The
+        error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
         if self._pending is not None and (self._pending.work is None or self._pending.work.is_completed()):
             self.settle()
-        self._pending = None
+        self._pending = self._before = None
 
     # -- optimizer state ---------------------------------------------------------------------------------------
     def chunks(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype,

@@ -185,6 +185,48 @@ def quantized_all_reduce(
     return res
 
 
+def quantized_reduce_scatter(
+    flat: Tensor,
+    group: dist.ProcessGroup,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    residual: Optional[Tensor] = None,
+    async_op: bool = False,
+    log: Optional[CommLog] = None,
+    group_name: str = "replicate",
+    kernels: str = "auto",
+) -> QuantizedReduce:
+    """Steps 1-3 of [Note: quantized all-reduce]: the sum over ``group`` of this rank's chunk of the 1-D ``flat``
+    (r chunks of ``quant_layout(n, block_size, r).chunk`` elements, rank j's the j-th), in ``flat``'s dtype, as
+    the handle's ``output``. ``residual`` (n elements): error feedback of the contribution. Synchronous: returns
+    done; ``async_op``: the all-to-all is in flight, ``wait()`` sums. One ``reduce_scatter/<group_name>`` call
+    is recorded with the int8 wire buffer's bytes."""
+    r = dist.get_world_size(group)
+    layout = quant_layout(flat.numel(), block_size, r)
+    _check(flat, None, layout)
+    if residual is not None and residual.numel() != layout.numel:
+        raise ValueError(f"residual holds {residual.numel()} elements; the flat has {layout.numel}")
+    out = torch.zeros(layout.chunk, dtype=flat.dtype, device=flat.device)
+    sent = triton_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels, residual=residual)
+    if residual is not None:
+        _reset_nonfinite(residual)
+    recv = torch.empty_like(sent.wire)
+    work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=async_op)
+    _record(log, "reduce_scatter", group_name, recv.numel())
+
+    def sum_stage(_sent=sent.wire):  # the all-to-all's input stays referenced until it is done
+        if out.dtype == torch.float32:
+            triton_kernels.dequantize_sum(recv, r, block_size, out=out, backend=kernels)
+        else:
+            out.copy_(triton_kernels.dequantize_sum(recv, r, block_size, backend=kernels))
+        return None, None
+
+    res = QuantizedReduce(out, work, sum_stage)
+    if not async_op:
+        res.wait()
+    return res
+
+
 def quantized_all_gather(
     shard: Tensor,
     group: dist.ProcessGroup,
@@ -192,6 +234,7 @@ def quantized_all_gather(
     block_size: int = DEFAULT_BLOCK_SIZE,
     *,
     dtype: Optional[torch.dtype] = None,
+    residual: Optional[Tensor] = None,
     async_op: bool = False,
     log: Optional[CommLog] = None,
     group_name: str = "inter",
@@ -199,10 +242,15 @@ def quantized_all_gather(
 ) -> AllGatherResult:
     """All-gathers a 1-D shard in int8 blocks and dequantizes into ``(group_size, S)`` of ``dtype`` (default the
     shard's): every rank, the sender included, gets the same dequantized rows. The shard itself (fp32 masters) is
-    only read. Returns the ``AllGatherResult`` protocol of ``collectives`` (``gathered`` finishes it)."""
+    only read. ``residual`` (S elements): error feedback of the shard ([Note: error feedback]). Returns the
+    ``AllGatherResult`` protocol of ``collectives`` (``gathered`` finishes it)."""
     dtype = dtype or shard.dtype
     size = shard.numel()
-    mine = triton_kernels.quantize([shard], block_size, backend=kernels)  # one row: c = ceil(S/4)*4 elements
+    if residual is not None and residual.numel() != size:
+        raise ValueError(f"residual holds {residual.numel()} elements; the shard has {size}")
+    mine = triton_kernels.quantize([shard], block_size, backend=kernels, residual=residual)  # one row: c = ceil(S/4)*4
+    if residual is not None:
+        _reset_nonfinite(residual)
     rows = torch.empty(group_size * mine.layout.row_bytes, dtype=torch.uint8, device=shard.device)
     work = dist.all_gather_single(rows, mine.wire.view(-1), group=group, async_op=async_op)
     _record(log, "all_gather", group_name, rows.numel())

@@ -169,6 +169,11 @@ class Schedule:
             if not unit.in_use:
                 unit.release(force=pinned)
 
+    def before_optimizer_step(self) -> None:
+        """Pre-step hook of every optimizer: [Note: quantized optimizer rows] in optimizer_rows.py."""
+        for unit in self.units:
+            unit.snapshot_rows()
+
     def after_optimizer_step(self) -> None:
         """Post-step hook of every optimizer: the updated rows start across the replicas ([Note: optimizer rows
         over replicas] in optimizer_rows.py); units still in use get the new values; idle ones are released."""

@@ -253,6 +253,7 @@ class MiCSStrategy(ParallelStrategy):
         for opt in self.optimizers:
             F.check_optimizer(engine, F.unwrap(opt), "Build optimizers in configure_optimizers from "
                               "self.parameters() (or named_parameters()), after the strategy has sharded the module")
+            self._step_hooks.append(opt.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))
             self._step_hooks.append(opt.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
 
     @override

@@ -89,14 +89,15 @@ class Unit:
             if not sp.meta:
                 sp.copy_rows_from_full(tp_locals[i].detach())
             self.params.append(sp)
-        self.optimizer_rows = OptimizerRows(self.params, topo, log, kernels) if reps > 1 and self.params else None
+        self.optimizer_rows = OptimizerRows(self.params, topo, log, kernels, self.quantize) \
+            if reps > 1 and self.params else None
 
         # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
         numels = [math.prod(sp.shape) for sp in self.params]
         self.full_numel = sum(numels)
         self.full_flat = torch.empty(self.full_numel, dtype=self.param_dtype, device=device)
         self._full_nbytes = self.full_flat.untyped_storage().nbytes()
-        # [Note: staging in place] in gradients.py: room for the reduce-scatter input of the whole unit
+        # [Note: staging in place]: room for the reduce-scatter input of the whole unit
         staging_nbytes = self.s * self.shard_flat.numel() * reduce_dtype.itemsize
         self.stage_in_full = self.s > 1 and reduce_dtype.itemsize <= self.param_dtype.itemsize
         self._gathered_nbytes = max(self._full_nbytes, staging_nbytes) if self.stage_in_full else self._full_nbytes
@@ -295,6 +296,11 @@ class Unit:
             C.copy_out(out, self.full_views, self.s, self.kernels)
 
     # -- the optimizer's rows over replicas ([Note: optimizer rows over replicas] in optimizer_rows.py) ----------
+    def snapshot_rows(self) -> None:
+        """Before an optimizer step: the rows it may change, as every replica holds them (int8 deltas only)."""
+        if self.optimizer_rows is not None:
+            self.optimizer_rows.snapshot()
+
     def share_rows(self) -> None:
         """After an optimizer step: the all-gather of this replica's updated rows starts (async)."""
         if self.optimizer_rows is not None:
@@ -324,7 +330,18 @@ class Unit:
         self.depth = 0
         self.clear_counters()
 
-    # -- the full storage as a reduce-scatter's input ([Note: staging in place] in gradients.py) ------------
+    # -- the full storage as a reduce-scatter's input --------------------------------------------------------
+    # [Note: staging in place]
+    # A unit released right after its gradients are reduce-scattered no longer needs its full parameters once the
+    # reduction starts: its backward is done. The rank-major reduce-scatter input is laid out in the unit's own
+    # full-parameter storage (allocated with room for it: the padded s x S elements in reduce_dtype, when
+    # reduce_dtype is no wider than param_dtype), instead of in a new buffer of the unit's size. The release then
+    # leaves the storage allocated until the last reduce-scatter reading it is waited for (``finish_reduce`` frees
+    # it: ``Unit.done_reading``), and a gather or refresh that writes the storage first waits for those reductions.
+    # Units kept gathered (the root inside an accumulation window, a pinned unit, a unit still running its forward)
+    # stage in a buffer of their own as before. On CPU, where a buffer above glibc's mmap threshold is a fresh
+    # mapping every time, this saves the page faults of one unit-sized buffer per reduction; everywhere it lowers
+    # the backward peak by one.
     def staging(self, at: int, rows: int, cols: int) -> Tensor:
         """A (rows, cols) reduce_dtype view of the full storage, ``at`` elements (of reduce_dtype) in."""
         return torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(

@@ -253,8 +253,10 @@ def test_layout_options_are_checked():
 
     MiCSStrategy(shard_optimizer_state=True, sharded_data_parallel_degree=2)  # [Note: optimizer rows over replicas]
     MiCSStrategy(shard_optimizer_state=True, sharded_data_parallel_degree=2, prefetch=2, max_live_parameters=100)
-    cfg = MiCSConfig(shard_optimizer_state=True, sharded_data_parallel_degree=2, quantize_gradients=True)
-    with pytest.raises(ValueError, match="quantize_gradients=True .*allowed is False with shard_optimizer_state=True"):
+    # [Note: quantized optimizer rows]: int8 with the rows over replicas (s > 1); at s = 1 (ZeRO-1) nothing to quantize
+    MiCSConfig(shard_optimizer_state=True, sharded_data_parallel_degree=2, quantize_gradients=True).validate_world(4, 2)
+    cfg = MiCSConfig(shard_optimizer_state=True, sharded_data_parallel_degree=1, quantize_gradients="error_feedback")
+    with pytest.raises(ValueError, match="quantize_gradients='error_feedback' .*sharded_data_parallel_degree=1"):
         cfg.validate_world(4, 2)
     with pytest.raises(ValueError, match="max_live_parameters=100 "):
         MiCSStrategy(shard_optimizer_state=True, max_live_parameters=100)

@@ -232,7 +232,6 @@ def test_model_inputs(tmp_path):
     (dict(instance="p9"), "instance='p9'"),
     (dict(gpu_memory=40), "gpu_memory=40"),
     (dict(activation_offload=True), "activation_offload=True"),
-    (dict(shard_optimizer_state=True, quantize_gradients=True), "quantize_gradients=True"),
     (dict(shard_optimizer_state=True, prefetch=2), "prefetch=2"),
     (dict(shard_optimizer_state=True, tensor_parallel_degree=2), "shard_optimizer_state=True"),
 ])

@@ -177,3 +177,38 @@ def test_error_feedback_residuals_resume_through_the_trainer(tmp_path, precision
     assert r0["sharded"]["dtypes"] == r0["full"]["dtypes"] == ["torch.float32"], r0
     if precision == "32-true":
         assert r0["after_fit_ranks"] == ["rank0", "rank1", "rank2", "rank3"], r0  # kept past the end of fit
+
+
+def test_optimizer_rows_over_replicas_in_int8_within_the_derived_bound(tmp_path):
+    """shard_optimizer_state=True at s = 2, r = 2 ([Note: quantized optimizer rows] in optimizer_rows.py): the
+    reduce-scatter in int8 (``True``; the rows' all-gather in fp32), and with error feedback the rows' change too.
+    Each within the bound of the same option on the all-reduce (the reduce-scatter is its first half; the int8
+    delta's residual is the requantized chunk's, scaled by the learning rate); every replica of a shard rank
+    holds the same bits; on the replica group an all-to-all and an all-gather, never an all-reduce."""
+    OS = {"shard_optimizer_state": True}
+    variants = []
+    for accum in (1, 3):
+        variants += [{"accum": accum}, {"accum": accum, **OS}, {"accum": accum, **OS, **QG},
+                     {"accum": accum, **OS, **EF}]
+    res = run_ranks(EQUIV, 4, ["--s", "2", "--steps", "6", "--variants", json.dumps(variants)], tmp_path)
+    r0 = res[0]
+    for k, (v, run) in enumerate(zip(variants, r0["runs"])):
+        ref = torch.tensor(r0["ref"][str(v["accum"])], dtype=torch.float64)
+        base = next(i for i, b in enumerate(variants) if b["accum"] == v["accum"] and len(b) == 1)
+        fp32_noise = (torch.tensor(r0["runs"][base]["params"], dtype=torch.float64) - ref).norm().item()
+        dist = (torch.tensor(run["params"], dtype=torch.float64) - ref).norm().item()
+        if not v.get("quantize_gradients"):
+            assert dist <= 4 * fp32_noise + 1e-7, (v, dist, fp32_noise)  # the fp32 rows: the plain run's
+            continue
+        bound = r0["bounds"][k]
+        assert dist <= bound + 2 * fp32_noise, (v, dist, bound, fp32_noise)
+        assert dist > 10 * fp32_noise, (v, dist)  # the quantization did act
+        assert bound < 0.1 * torch.tensor(run["params"]).norm().item()
+    for r in res:
+        replica = (r["rank"] % 2, r["rank"] % 2 + 2)
+        peer = res[(r["rank"] + 2) % 4]
+        for v, run, other in zip(variants, r["runs"], peer["runs"]):
+            assert run["chunks"] == other["chunks"], v  # bit for bit across the replicas
+            ops = {op for batch in run["comms"] for op, g, _ in batch if g and tuple(g) == replica}
+            if v.get("quantize_gradients"):
+                assert ops == {"all_to_all", "all_gather"}, (v, ops)

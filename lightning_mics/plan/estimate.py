@@ -31,6 +31,10 @@ the reduction dtype (x (1 + 4/B)/4 against fp32), the same ring time (an all-to-
 with ``"error_feedback"`` each rank keeps, per bucket, its residual (b elements) and its reduced chunk's (b / r),
 in the reduction dtype, counted as gradients; with ``quantize_allgather`` and two hops the inter hop's output is
 n int8 rows of the shard, ``wire_bytes(S, 1, B)`` each. The replicated parameters' world all-reduce stays fp32.
+With ``shard_optimizer_state`` (s > 1) the optimizer rows' reduce-scatter moves the int8 wire of the unit's r
+rows, and with ``"error_feedback"`` their all-gather the int8 deltas, r rows of ``wire_bytes(row, 1, B)``; the
+residuals are then r x row elements in the reduction dtype and a row in the master dtype per unit ([Note:
+quantized optimizer rows] in optimizer_rows.py).
 Links: a shard group inside a node uses the intra-node link; one across nodes the inter-node link (two hops:
 the first hop across nodes, the second inside); replica and world all-reduces cross nodes when there are
 several. Time is a ring model without overlap: (k-1)/k of the buffer per rank for all-gather and
@@ -193,10 +197,19 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0, repl
 def _feedback_bytes(units: List[_Unit], st: Settings, s: int, reduce: int) -> int:
     """Error-feedback residuals ([Note: error feedback] in quantized.py): per replica bucket, b + its chunk."""
     r = st.dp_world // s
-    if st.quantize_gradients != "error_feedback" or r == 1 or st.shard_optimizer_state:
+    if st.quantize_gradients != "error_feedback" or r == 1:
         return 0
+    if _over_replicas(st, s) > 1:  # [Note: quantized optimizer rows]: the contribution and the delta, per unit
+        master = st.dtypes()[0]
+        return sum(r * _row(u) * reduce + _row(u) * master for u in units if _unit_buckets(u, st))
     return reduce * sum(feedback_numel(b, r, st.quantization_block_size)
                         for u in units if u.sharded for b in _unit_buckets(u, st))
+
+
+def _row(u: _Unit) -> int:
+    """One replica's row of a unit's optimizer rows, padded to a quantized chunk ([Note: quantized optimizer
+    rows] in optimizer_rows.py)."""
+    return -(-sum(u.slots) // 4) * 4
 
 
 def _replica_bytes(b: int, r: int, reduce: int, st: Settings) -> int:
@@ -253,9 +266,12 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             add("reduce_scatter/shard", s * b * reduce, A)
             if r > 1 and not st.shard_optimizer_state:
                 add("all_reduce/replicate", _replica_bytes(b, r, reduce, st))
-        if r > 1 and st.shard_optimizer_state:  # [Note: optimizer rows over replicas]
-            add("reduce_scatter/replicate", r * sum(u.slots) * reduce)
-            add("all_gather/replicate", r * sum(u.slots) * master)
+        if r > 1 and st.shard_optimizer_state and _unit_buckets(u, st):  # [Note: optimizer rows over replicas]
+            B = st.quantization_block_size  # [Note: quantized optimizer rows]
+            add("reduce_scatter/replicate", wire_bytes(r * _row(u), r, B) if st.quantize_gradients else
+                r * sum(u.slots) * reduce)
+            add("all_gather/replicate", r * wire_bytes(_row(u), 1, B) if st.quantize_gradients == "error_feedback"
+                else r * sum(u.slots) * master)
     if W > 1:
         for b in _world_buckets(units, st):
             add("all_reduce/world", b * 4)
@@ -322,7 +338,7 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     largest = max(units, key=lambda u: u.shard_numel)
     group = _layout_units(spec.units, st, s)[1]  # the shard group's size (all W ranks with shard_optimizer_state)
     # the reduce-scatter input lies in the unit's own storage when it fits and the unit is released after it
-    # ([Note: staging in place] in gradients.py); the root inside an accumulation window, or pinned, stages apart
+    # ([Note: staging in place] in unit.py); the root inside an accumulation window, or pinned, stages apart
     in_place = reduce <= gathered and not (largest is units[0] and (st.accumulation > 1 or _zero1(st, s)))
     buffers = group * largest.shard_numel * (gathered + (0 if in_place else reduce)) if group > 1 else 0
     links = {k: 0 for k in LINKS}

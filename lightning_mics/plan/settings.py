@@ -92,9 +92,6 @@ class Settings:
                                                           self.quantization_block_size)
         if self.shard_optimizer_state and self.tensor_parallel_degree > 1:
             _fail("shard_optimizer_state", True, "False with tensor_parallel_degree > 1")
-        if self.shard_optimizer_state and self.quantize_gradients is not False:
-            _fail("quantize_gradients", self.quantize_gradients, "False with shard_optimizer_state=True: the replica "
-                  "sync is then a reduce-scatter and an all-gather (s > 1), or there is none (s = 1)")
         for name in ("nodes", "gpus_per_node", "seq_len", "micro_batch", "accumulation", "tensor_parallel_degree"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -73,6 +73,12 @@ class CountComms(L.Callback):
         self.mode = CommCounter()
         self.mode.__enter__()
 
+    def on_train_end(self, trainer, pl_module):
+        """This rank's chunks once the last rows have arrived (every replica of a shard rank holds the same bits)."""
+        engine = trainer.strategy.engine
+        engine.quiesce()
+        self.chunks = torch.cat([sp.local.reshape(-1) for u in engine.units for sp in u.params]).tolist()
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.mode.__exit__(None, None, None)
         self.per_batch.append([[op, list(g) if g else None, n] for op, g, n in self.mode.events])
@@ -178,7 +184,8 @@ def run_variant(args, variant, world, rank, train):
     trainer.fit(module, train)
     full = trainer.strategy.lightning_module_state_dict()
     out = {"comms": counter.per_batch, "stats": dict(trainer.strategy.comm_stats),
-           "param_dtypes": sorted({str(p.dtype) for p in module.parameters()})}
+           "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+           "chunks": counter.chunks}
     if rank == 0:
         out["dtypes"] = sorted({str(v.dtype) for v in full.values()})
         out["params"] = torch.cat([full["model.weight"].reshape(-1), full["model.bias"].reshape(-1)]).tolist()
