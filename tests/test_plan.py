@@ -65,6 +65,8 @@ VARIANTS = [
          quantize_allgather=True, precision="bf16-mixed"),  # the two-hop gather's cross-node hop in int8
     dict(model="gpt", sharded_data_parallel_degree=2, shard_optimizer_state=True, param_persistence_threshold=100,
          accum=2, precision="bf16-mixed"),  # the optimizer's rows over the 2 replicas (issue 34)
+    dict(model="gpt", sharded_data_parallel_degree=2, shard_optimizer_state=True, param_persistence_threshold=100,
+         accum=2, quantize_gradients="error_feedback", quantization_block_size=512),  # ... in int8, with residuals
 ]
 
 
@@ -123,9 +125,11 @@ def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
                              v.get("ranks_per_node"))
         seen = defaultdict(lambda: {"bytes": 0, "calls": 0})
         for op, group, nbytes in measured["steps"][-1]:
+            rows = v.get("shard_optimizer_state") and s > 1  # [Note: optimizer rows over replicas]
             if op == "all_to_all":  # the int8 replica all-reduce: the telemetry counts its wire once, as this
-                op = "all_reduce" if v.get("quantize_gradients") else "reduce_scatter"  # or a reduce-scatter on gloo
-            elif op == "all_gather" and v.get("quantize_gradients") and list(group) == layout.replica_group_of(0):
+                op = "all_reduce" if v.get("quantize_gradients") and not rows else "reduce_scatter"  # or an RS
+            elif op == "all_gather" and v.get("quantize_gradients") and not rows and \
+                    list(group) == layout.replica_group_of(0):
                 continue  # ... and not its second collective, the all-gather of the same wire
             if op in ("all_gather", "reduce_scatter", "all_reduce"):
                 entry = seen[f"{op}/{_group_name(op, group, layout)}"]

@@ -157,16 +157,18 @@ def test_bf16_mixed_quantized_gradients_within_bound_fp32_masters_int8_replica_t
             assert ("all_to_all" in ops) == q and ("all_reduce" in ops) == (not q), (v, ops)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_error_feedback_residuals_resume_through_the_trainer(tmp_path, precision):
+@pytest.mark.parametrize("precision, rows", [("32-true", False), ("bf16-mixed", False), ("32-true", True)])
+def test_error_feedback_residuals_resume_through_the_trainer(tmp_path, precision, rows):
     """quantize_gradients='error_feedback' under the Trainer (4 ranks, s = 2, 32-element blocks), saved by
     ModelCheckpoint at the end of epoch 0 and resumed with fit(ckpt_path=...) from step 3 to 6
     (tests/scripts/feedback_resume.py): the sharded checkpoint carries every rank's residuals, so the resumed run
     is the uninterrupted one exactly; from the full checkpoint they restart from zero, the load says so, and the
     run differs (without the residuals the sharded resume differs by the same 6.5e-4). What the user gets back is
     the fp32 masters in bf16-mixed too. A model that stays sharded after fit keeps them for a save after it (in
-    32-true only: it does not depend on the precision)."""
-    res = run_ranks(REPO / "tests" / "scripts" / "feedback_resume.py", 4, ["--precision", precision], tmp_path)
+    32-true only: it does not depend on the precision). ``rows``: with shard_optimizer_state=True, whose residuals
+    are the int8 reduce-scatter's and the rows' change's ([Note: quantized optimizer rows])."""
+    args = ["--precision", precision] + (["--shard-optimizer-state"] if rows else [])
+    res = run_ranks(REPO / "tests" / "scripts" / "feedback_resume.py", 4, args, tmp_path)
     for r in res:
         for kind in ("sharded", "full"):
             assert (r[kind]["start"], r[kind]["step"]) == (3, 6), r
@@ -212,3 +214,40 @@ def test_optimizer_rows_over_replicas_in_int8_within_the_derived_bound(tmp_path)
             ops = {op for batch in run["comms"] for op, g, _ in batch if g and tuple(g) == replica}
             if v.get("quantize_gradients"):
                 assert ops == {"all_to_all", "all_gather"}, (v, ops)
+
+
+def test_optimizer_rows_over_replicas_bytes_in_int8(tmp_path):
+    """The demo GPT (4 ranks, s = 2, accumulation 2, 2 steps), shard_optimizer_state=True: per optimizer step, what
+    crosses the replica groups with the rows in fp32, with the reduce-scatter in int8 (``True``: at most 0.65x,
+    the all-gather of the updated rows stays fp32) and with the rows' change in int8 too (``"error_feedback"``:
+    at most 0.3x, scales included); the telemetry's bytes are the dispatcher's; the two ranks of a replica group
+    issue one sequence on it; the validation loss is the fp32 run's to 1%."""
+    variants = [{"s": 2, "shard_optimizer_state": True},
+                {"s": 2, "shard_optimizer_state": True, "quantize_gradients": True},
+                {"s": 2, "shard_optimizer_state": True, "quantize_gradients": "error_feedback"}]
+    accum, steps = 2, 2
+    res = run_ranks(GPT, 4, ["--model", "gpt", "--steps", str(steps), "--accum", str(accum), "--count",
+                             "--variants", json.dumps(variants)], tmp_path)
+    for r in res:
+        rank = r["rank"]
+        replica = (rank % 2, rank % 2 + 2)
+        runs = r["variants"]
+        assert all("error" not in run for run in runs), [run.get("error") for run in runs]
+        for step in range(steps):
+            window = slice(step * accum, (step + 1) * accum)
+            per = [[e for batch in run["comms"][window] for e in batch] for run in runs]
+            fp32, int8_rs, int8_both = (_sent(p, replica) for p in per)
+            assert fp32 > 0 and 0.55 * fp32 <= int8_rs <= 0.65 * fp32, (rank, step, int8_rs, fp32)
+            assert int8_both <= 0.3 * fp32, (rank, step, int8_both, fp32)
+            for run, events in zip(runs[1:], per[1:]):
+                assert "all_reduce" not in {op for op, g, _ in events if g and tuple(g) == replica}
+                stats = run["stats"][window.stop - 1]
+                for op, name in (("all_to_all", "reduce_scatter"), ("all_gather", "all_gather")):
+                    seen = sum(n for o, g, n in events if o == op and tuple(g) == replica)
+                    assert stats[f"comm/{name}/replicate/bytes"] == seen, (op, stats, seen)
+        peer = res[(rank + 2) % 4]["variants"]
+        for run, other in zip(runs, peer):
+            mine = [[(op, n) for op, g, n in batch if g and tuple(g) == replica] for batch in run["comms"]]
+            assert mine == [[(op, n) for op, g, n in batch if g and tuple(g) == replica] for batch in other["comms"]]
+        for run in runs[1:]:
+            assert run["val_loss"] == pytest.approx(runs[0]["val_loss"], rel=0.01)

@@ -416,16 +416,19 @@ def case_nonfinite():
     return {"error": error, "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
 
 
-def case_quant(s, accum, block):
+def case_quant(s, accum, block, layout=""):
     """quant_equiv.py's nn.Linear + SGD under the Fabric loop (no_backward_sync while accumulating), unquantized
-    and with quantize_gradients=True; per run the collectives on this rank's replica group (op, dtype) and, on
-    rank 0, the parameters, the float64 reference and the bound of [Note: the equivalence bound]."""
+    and with quantize_gradients=True (``layout`` "os": ``"error_feedback"`` with shard_optimizer_state=True, [Note:
+    quantized optimizer rows]); per run the collectives on this rank's replica group (op, dtype) and, on rank 0,
+    the parameters, the float64 reference and the bound of [Note: the equivalence bound]."""
     from argparse import Namespace
 
     from tests.scripts import quant_equiv as Q
     args, A = Namespace(s=int(s), steps=6, batch=4), int(accum)
     x, y = Q.data(WORLD, args.batch, args.steps, A)
-    variants = [{"accum": A}, {"accum": A, "quantize_gradients": True, "quantization_block_size": int(block)}]
+    quant = {"quantize_gradients": True} if layout != "os" else \
+        {"quantize_gradients": "error_feedback", "shard_optimizer_state": True}
+    variants = [{"accum": A}, {"accum": A, **quant, "quantization_block_size": int(block)}]
     out = {"runs": []}
     for v in variants:
         opts = {k: val for k, val in v.items() if k != "accum"}

@@ -62,17 +62,20 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--precision", default="32-true",
                     help="the Trainer's precision; the after-fit save runs in 32-true only")
+    ap.add_argument("--shard-optimizer-state", action="store_true",
+                    help="the optimizer's rows over the replicas ([Note: quantized optimizer rows])")
     args = ap.parse_args()
+    kw = {"shard_optimizer_state": True} if args.shard_optimizer_state else {}
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     x, y = data(world, BATCH, STEPS_PER_EPOCH, 1)
     ds = TensorDataset(x, y)
     train = DataLoader(ds, batch_size=BATCH, sampler=DistributedSampler(ds, world, rank, shuffle=False))
     result = {}
     for kind in ("sharded", "full"):
-        straight = fit(args.out, world, train, kind, save=True, precision=args.precision)[0]
+        straight = fit(args.out, world, train, kind, save=True, precision=args.precision, **kw)[0]
         straight = straight.strategy.lightning_module_state_dict()
         trainer, warned, start = fit(args.out, world, train, kind, ckpt=str(Path(args.out) / f"ef_{kind}-epoch=0.ckpt"),
-                                     precision=args.precision)
+                                     precision=args.precision, **kw)
         resumed = trainer.strategy.lightning_module_state_dict()
         result[kind] = {"start": start, "step": trainer.global_step, "warned": warned}
         if rank == 0:
@@ -82,7 +85,7 @@ def main():
         (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
         return
     # a model larger than max_live_parameters stays sharded after fit: a save then still holds the residuals
-    trainer, _, _ = fit(args.out, world, train, "sharded", epochs=1, max_live_parameters=100)
+    trainer, _, _ = fit(args.out, world, train, "sharded", epochs=1, max_live_parameters=100, **kw)
     after = Path(args.out) / "after_fit.ckpt"
     trainer.save_checkpoint(after)
     if rank == 0:
