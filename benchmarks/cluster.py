@@ -9,7 +9,7 @@ between the hosts crosses the veth, whose egress is shaped on both ends with ``t
 loaded machine slows every case alike), ``torchrun --nnodes 2 --nproc-per-node 2`` runs
 benchmarks/cluster_rank.py in both namespaces: ``--warmup`` optimizer steps, then ``--steps`` timed ones. The cases
 (``ddp``, ``fsdp2_full``, ``fsdp2_hsdp``, ``mics_host``, ``mics_twohop``, ``mics_host_os``, and the int8 twins
-``mics_host_q8``, ``mics_twohop_q8``) are described there.
+``mics_host_q8``, ``mics_twohop_q8``, ``mics_host_os_q8``) are described there.
 
 Per case, rate and accumulation, one JSON line on stdout (and in ``rows.jsonl``):
   step_s          median over the timed steps of all rounds of the slowest rank's step (wall clock from the

@@ -18,6 +18,8 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
                waits for unit by unit ([Note: optimizer rows over replicas] in lightning_mics/optimizer_rows.py)
   mics_host_q8    mics_host with ``quantize_gradients=True``: the replica all-reduce (across hosts) in int8 blocks
   mics_twohop_q8  mics_twohop with ``quantize_allgather=True``: the gather's cross-host hop in int8 blocks
+  mics_host_os_q8 mics_host_os with ``quantize_gradients="error_feedback"``: the reduce-scatter and the rows'
+                  change in int8 blocks ([Note: quantized optimizer rows] in lightning_mics/optimizer_rows.py)
 The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
 
 [Note: time waiting on communication]
@@ -53,7 +55,7 @@ for p in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, p)
 
 CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop", "mics_host_os", "mics_host_q8",
-         "mics_twohop_q8")
+         "mics_twohop_q8", "mics_host_os_q8")
 RANKS_PER_HOST = 2
 # collective -> index of the positional argument holding its larger buffer (the output of a gather, the input of
 # a reduce-scatter); every one of them takes ``group`` and ``async_op`` keywords
@@ -216,9 +218,10 @@ def make_strategy(case: str, clock: CommClock):
     from lightning_mics import MiCSStrategy
 
     if case.startswith("mics_host"):
+        os, q8 = "_os" in case, case.endswith("_q8")
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
-                            param_persistence_threshold=0, quantize_gradients=case.endswith("_q8"),
-                            shard_optimizer_state=case.endswith("_os"))
+                            param_persistence_threshold=0, quantize_gradients="error_feedback" if os and q8 else q8,
+                            shard_optimizer_state=os)
     return MiCSStrategy(sharded_data_parallel_degree=2 * RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
                         hierarchical_allgather=True, param_persistence_threshold=0,
                         quantize_allgather=case.endswith("_q8"))

@@ -76,7 +76,10 @@ def check_quantization(quantize_gradients: Any, quantize_allgather: Any, block_s
     ``quantization_block_size`` elements, summed in fp32 (``"error_feedback"``: each rank keeps its rounding error
     and adds it to the next step's contribution); ``quantize_allgather`` sends the cross-node hop of the two-hop
     parameter gather the same way, dequantized into ``param_dtype`` on arrival (the fp32 masters never see the
-    rounding). The collectives are ``lightning_mics/quantized.py`` ([Note: quantized all-reduce]).
+    rounding). The collectives are ``lightning_mics/quantized.py`` ([Note: quantized all-reduce]). With
+    ``shard_optimizer_state`` and s > 1 the replica sync is a reduce-scatter and an all-gather of the updated rows:
+    the first goes in int8, and with ``"error_feedback"`` the rows' change too ([Note: quantized optimizer rows]
+    in optimizer_rows.py).
     """
     if not any(quantize_gradients is v or quantize_gradients == v and isinstance(v, str) for v in QUANTIZE_GRADIENTS):
         _fail("quantize_gradients", quantize_gradients, "False, True or 'error_feedback'")

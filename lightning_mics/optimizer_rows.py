@@ -31,8 +31,9 @@ masters off by a quantum, and an update smaller than half a quantum would be los
 the master dtype with ``quantize_gradients=True``; with ``"error_feedback"`` what travels in int8 is the step's
 *change* of this replica's rows plus the rounding error left by the last one (the residual's ``reduced`` half):
 - before the step (the optimizers' pre-step hook) this replica's rows are copied (``snapshot``);
-- after it, delta = rows - copy; the rows go back to the copy, and delta + residual is quantized and all-gathered;
-- every replica, this one included, adds each replica's dequantized delta to that replica's rows (``settle``).
+- after it, delta = rows - copy; delta + residual is quantized and all-gathered, and this replica's rows become
+  copy + its own dequantized delta;
+- every other replica adds that dequantized delta to its copy of those rows (``settle``).
 All replicas then hold the same bits, as in fp32: each adds the same dequantized values to the same rows. The
 masters move by the quantized deltas; summed over steps they differ from the optimizer's own updates only by
 the last residual, within one quantization's bound ([Note: error feedback]): the error does not accumulate.
@@ -131,9 +132,9 @@ class OptimizerRows:
     # -- the master rows around a step ----------------------------------------------------------------------
     def snapshot(self) -> None:
         """Before an optimizer step, with int8 deltas ([Note: quantized optimizer rows]): this replica's rows as
-        every replica holds them."""
+        every replica holds them. No wait: the other replicas' rows may still be on their way (under Lightning's
+        automatic optimization this hook runs before the closure's forward, which waits for them unit by unit)."""
         if self.deltas:
-            self.settle()
             ref = self.params[0].local
             with torch.no_grad():
                 self._before = self._pack([sp.stepped for sp in self.params], ref.dtype, ref.device, self.row)
@@ -152,16 +153,18 @@ class OptimizerRows:
         with torch.no_grad():
             delta = self._pack([sp.stepped for sp in self.params], before.dtype, before.device, self.row)
             delta.sub_(before)
-            for sp, o in zip(self.params, self.offsets):  # back to what every replica holds; ``settle`` adds
+            own = torch.empty_like(delta)  # this replica's change as every replica dequantizes it
+            self._pending = Q.quantized_all_gather(delta, self.group, self.r, self.quantize.block_size, own=own,
+                                                   residual=self._residual(before.dtype).reduced, async_op=True,
+                                                   log=self.log, group_name="replicate", kernels=self.kernels)
+            before.add_(own)  # the rows every replica will hold: the others add the same bits in ``settle``
+            for sp, o in zip(self.params, self.offsets):
                 sp.stepped.view(-1).copy_(before[o:o + sp.stepped.numel()])
-        self._pending = Q.quantized_all_gather(delta, self.group, self.r, self.quantize.block_size, async_op=True,
-                                               residual=self._residual(before.dtype).reduced, log=self.log,
-                                               group_name="replicate", kernels=self.kernels)
 
     def settle(self) -> None:
         """Waits for the rows' all-gather, if one is in flight, and writes the other replicas' rows into the
-        chunks. This replica's own rows are left as they are (another optimizer may have stepped them since);
-        with int8 deltas every replica's delta is added to its rows, this one's included."""
+        chunks (with int8 deltas: adds their change to them). This replica's own rows are left as they are
+        (another optimizer may have stepped them since)."""
         res, self._pending = self._pending, None
         if res is None:
             return
@@ -170,7 +173,7 @@ class OptimizerRows:
             for sp, o in zip(self.params, self.offsets):
                 for j in range(self.r):
                     lo, hi = sp.rows.sub_rows(j)
-                    if hi == lo or (j == sp.rows.replica and not self.deltas):
+                    if hi == lo or j == sp.rows.replica:
                         continue
                     rows = sp.local[lo:hi].view(-1)
                     got = out[j, o:o + (hi - lo) * sp.rows.rest]

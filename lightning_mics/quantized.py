@@ -235,6 +235,7 @@ def quantized_all_gather(
     *,
     dtype: Optional[torch.dtype] = None,
     residual: Optional[Tensor] = None,
+    own: Optional[Tensor] = None,
     async_op: bool = False,
     log: Optional[CommLog] = None,
     group_name: str = "inter",
@@ -242,8 +243,9 @@ def quantized_all_gather(
 ) -> AllGatherResult:
     """All-gathers a 1-D shard in int8 blocks and dequantizes into ``(group_size, S)`` of ``dtype`` (default the
     shard's): every rank, the sender included, gets the same dequantized rows. The shard itself (fp32 masters) is
-    only read. ``residual`` (S elements): error feedback of the shard ([Note: error feedback]). Returns the
-    ``AllGatherResult`` protocol of ``collectives`` (``gathered`` finishes it)."""
+    only read. ``residual`` (S elements): error feedback of the shard ([Note: error feedback]); ``own`` (S
+    elements of ``dtype``): this rank's row is dequantized into it at once, the bits every rank gets for it. Returns
+    the ``AllGatherResult`` protocol of ``collectives`` (``gathered`` finishes it)."""
     dtype = dtype or shard.dtype
     size = shard.numel()
     if residual is not None and residual.numel() != size:
@@ -251,6 +253,8 @@ def quantized_all_gather(
     mine = triton_kernels.quantize([shard], block_size, backend=kernels, residual=residual)  # one row: c = ceil(S/4)*4
     if residual is not None:
         _reset_nonfinite(residual)
+    if own is not None:  # one row: its padding is dropped
+        triton_kernels.dequantize(mine.wire, [own], block_size, backend=kernels)
     rows = torch.empty(group_size * mine.layout.row_bytes, dtype=torch.uint8, device=shard.device)
     work = dist.all_gather_single(rows, mine.wire.view(-1), group=group, async_op=async_op)
     _record(log, "all_gather", group_name, rows.numel())

@@ -76,6 +76,21 @@ def test_quantized_all_gather(ranks):
             assert c["dtype"] == key.split("/")[2]
 
 
+def test_quantized_reduce_scatter_and_feedback_gather(ranks):
+    """The halves of the optimizer rows' replica sync ([Note: quantized optimizer rows] in optimizer_rows.py)."""
+    _, res = ranks
+    for r in res:
+        c = r["reduce_scatter"]
+        sizes = [k for k in c if "/" in k]
+        assert len(sizes) == 3, c  # whole chunks, an odd size, one short block per chunk
+        for key in sizes:
+            assert c[key]["ok"] and c[key]["async_equal"] and c[key]["chunk"] and c[key]["padding_zero"], (key, c)
+            assert c[key]["ops"] == ["all_to_all"], c[key]
+        assert c["feedback"]["ok"], c  # error feedback: T calls within the last residuals' bound
+        assert c["gather_feedback"]["ok"] and c["gather_feedback"]["same"], c
+        assert c["gather_feedback"]["own_equal"], c  # the sender's own row at once: the bits the others get
+
+
 @pytest.mark.parametrize("ranks", [4], indirect=True)  # two hops: 2 nodes of 2 ranks
 def test_two_hop_gather_cross_node_hop_quantized(ranks):
     _, res = ranks

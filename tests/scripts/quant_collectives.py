@@ -203,6 +203,51 @@ def case_all_gather(r, rank):
     return out
 
 
+def case_reduce_scatter(r, rank):
+    """quantized_reduce_scatter ([Note: quantized optimizer rows]): this rank's chunk of the sum within
+    sum_i A_i / 254 + (r + 6) U sum_i A_i per element (one quantization, no requantization), async bit-equal to
+    sync, one all-to-all of the int8 wire; with error feedback, T calls of the same inputs sum to T sum_i x_i within
+    the last residuals' bound (as case_error_feedback); and quantized_all_gather with a residual the same way."""
+    out = {}
+    for n, block in [(4 * r * 250, 64), (4099, 128), (8 * r, 2048)]:
+        xs = inputs(n, r, 71 + n)
+        c = -(-n // (4 * r)) * 4
+        mine = slice(rank * c, min(n, (rank + 1) * c))
+        with CommCounter() as seen:
+            got = Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block).output
+        handle = Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block, async_op=True)
+        wait(handle)
+        ref = sum(x.double() for x in xs)[mine]
+        amax = sum(block_absmax(x, r, block) for x in xs)[mine]
+        err = (got[:mine.stop - mine.start].double() - ref).abs()
+        out[f"{n}/{block}"] = {"ok": bool((err <= amax / 254 + (r + 6) * U * amax).all()),
+                               "async_equal": bool(torch.equal(handle.output, got)), "chunk": got.numel() == c,
+                               "ops": sorted({op for op, _, _ in seen.events}), "padding_zero":
+                               bool((got[mine.stop - mine.start:] == 0).all())}
+    n, block, steps = 3001, 128, 20
+    xs = inputs(n, r, 81)
+    c = -(-n // (4 * r)) * 4
+    mine = slice(rank * c, min(n, (rank + 1) * c))
+    res = torch.zeros(n)
+    acc = torch.zeros(c, dtype=torch.float64)
+    for _ in range(steps):
+        acc += Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block, residual=res).output.double()
+    ref = steps * sum(x.double() for x in xs)[mine]
+    amax = sum(block_absmax(x, r, block) for x in xs)[mine]
+    bound = amax / 253 + steps * (r + 8) * U * amax * (1 + 2 / 253)
+    out["feedback"] = {"ok": bool(((acc[:mine.stop - mine.start] - ref).abs() <= bound).all())}
+    shards = inputs(1001, r, 91)
+    res, acc, own = torch.zeros(1001), torch.zeros(r, 1001, dtype=torch.float64), torch.empty(1001)
+    for _ in range(steps):
+        got = gathered(Q.quantized_all_gather(shards[rank], dist.group.WORLD, r, 64, residual=res, own=own))
+        acc += got.double()
+    amax = torch.stack([block_absmax(s, 1, 64) for s in shards])
+    bound = amax / 253 + steps * 4 * U * amax
+    out["gather_feedback"] = {"ok": bool(((acc - steps * torch.stack(shards).double()).abs() <= bound).all()),
+                              "same": all_same(acc), "own_equal": bool(torch.equal(own, got[rank]))}
+    return out
+
+
 def case_two_hop(r, rank):
     """4 ranks as 2 nodes of 2: the quantized two-hop gather against the unquantized one, and its bytes."""
     per_node, n_nodes = 2, r // 2
@@ -242,7 +287,7 @@ def main():
                                (0, 2048, torch.float32), (2053, 128, torch.bfloat16)])]
     for name, fn in [("nonfinite", case_nonfinite), ("zero_blocks", case_zero_blocks),
                      ("error_feedback", case_error_feedback), ("async", case_async), ("bytes", case_bytes),
-                     ("all_gather", case_all_gather)]:
+                     ("all_gather", case_all_gather), ("reduce_scatter", case_reduce_scatter)]:
         if want(name):
             result[name] = fn(r, rank)
     if want("two_hop") and r % 2 == 0 and r >= 4:
