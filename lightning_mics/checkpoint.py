@@ -202,6 +202,8 @@ def apply_model_state(module: nn.Module, state: Dict[str, Any], engine: Optional
             rest[k] = v
     if rest:
         set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
+    for u in engine.units if engine is not None else ():
+        u.rows_written()  # [Note: quantized optimizer rows] in optimizer_rows.py
 
 
 def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer,

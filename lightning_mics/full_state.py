@@ -128,6 +128,8 @@ def load_full_state_dict(units: Sequence[Unit], root: nn.Module, state: Dict[str
                          device: torch.device, strict: bool = True) -> None:
     """Copies this rank's rows of every full tensor into its shard; replicated ones and buffers whole."""
     slots = by_id(units)
+    for unit in units:
+        unit.settle_rows()  # rows still on their way must not land on the loaded ones
     own = root.state_dict(keep_vars=True)
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
@@ -142,6 +144,8 @@ def load_full_state_dict(units: Sequence[Unit], root: nn.Module, state: Dict[str
             slot.copy_from_global(src)
         else:
             local(t).copy_(src)
+    for unit in units:
+        unit.rows_written()  # [Note: quantized optimizer rows] in optimizer_rows.py
 
 
 @torch.no_grad()

@@ -239,9 +239,9 @@ class UnitGrads:
 
     def residual_state(self) -> Dict[Tuple[int, ...], Q.Residual]:
         """This rank's error-feedback residuals by bucket ([Note: residuals in checkpoints] in feedback_state.py);
-        the optimizer rows' one under the unit's trainable parameters ([Note: quantized optimizer rows])."""
+        the optimizer rows' one under all the unit's parameters ([Note: quantized optimizer rows])."""
         if self.rows is not None:
-            return {self.trainable(): self.rows.residual} if self.rows.residual is not None else {}
+            return {tuple(range(len(self.params))): self.rows.residual} if self.rows.residual is not None else {}
         return dict(self._residuals)
 
     def residual_numel(self, slots: Tuple[int, ...]) -> int:
@@ -252,7 +252,7 @@ class UnitGrads:
     def restore_residuals(self, state: Dict[Tuple[int, ...], Q.Residual]) -> None:
         """Takes ``state`` (``residual_state`` of a run with this layout, checked by the caller) as this rank's."""
         if self.rows is not None:
-            self.rows.residual = state.get(self.trainable())
+            self.rows.residual = state.get(tuple(range(len(self.params))))
         else:
             self._residuals = dict(state)
 

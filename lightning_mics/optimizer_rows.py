@@ -30,9 +30,11 @@ one quantized chunk. The all-gather carries parameters, not gradients: rounding 
 masters off by a quantum, and an update smaller than half a quantum would be lost on every step. So it stays in
 the master dtype with ``quantize_gradients=True``; with ``"error_feedback"`` what travels in int8 is the step's
 *change* of this replica's rows plus the rounding error left by the last one (the residual's ``reduced`` half):
-- before the step (the optimizers' pre-step hook) this replica's rows are copied (``snapshot``);
-- after it, delta = rows - copy; delta + residual is quantized and all-gathered, and this replica's rows become
-  copy + its own dequantized delta;
+- this replica keeps a copy of its rows as every replica holds them (``agreed``: taken by the optimizers'
+  pre-step hook when there is none, after construction or a load, which writes every replica's rows alike);
+- after a step, delta = rows - agreed (the step's change, and any other write to these rows since the last
+  step, e.g. a clamp after it); delta + residual is quantized and all-gathered, and agreed and this replica's
+  rows become agreed + its own dequantized delta;
 - every other replica adds that dequantized delta to its copy of those rows (``settle``).
 All replicas then hold the same bits, as in fp32: each adds the same dequantized values to the same rows. The
 masters move by the quantized deltas; summed over steps they differ from the optimizer's own updates only by
@@ -62,7 +64,7 @@ class OptimizerRows:
     parameter's rows sit in the replica-major layout, the gradients' reduce-scatter, the rows' all-gather."""
 
     def __init__(self, params: Sequence[ShardedParam], topo: Topology, log: CommLog, kernels: str,
-                 quantize: Optional[Q.QuantizeSpec] = None) -> None:
+                 quantize: Optional[Q.QuantizeSpec] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.params, self.log, self.kernels = list(params), log, kernels
         self.group, self.r = topo.replica_group, topo.layout.replicas
         self.offsets: List[int] = [0]  # of each parameter's slot in one replica's row of the layout
@@ -71,8 +73,9 @@ class OptimizerRows:
         self.quantize = quantize or Q.QuantizeSpec()  # [Note: quantized optimizer rows]
         self.deltas = self.quantize.gradients == "error_feedback"  # the all-gather sends int8 deltas
         self.row = -(-self.offsets[-1] // 4) * 4  # one replica's row, a whole quantized chunk
+        self.reduce_dtype = reduce_dtype or self.params[0].local.dtype
         self.residual: Optional[Q.Residual] = None  # error feedback: (contribution, delta), lazily
-        self._before: Optional[Tensor] = None  # this replica's rows before the step (``snapshot``)
+        self._agreed: Optional[Tensor] = None  # this replica's rows as every replica holds them (int8 deltas)
         self._pending: Optional[C.AllGatherResult] = None  # the updated rows' all-gather, in flight
 
     @staticmethod
@@ -94,14 +97,14 @@ class OptimizerRows:
                 lo, hi = sp.rows.sub_rows(j)
                 send[j, o:o + (hi - lo) * sp.rows.rest].copy_(chunk[lo:hi].reshape(-1))
         res = Q.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
-                                         residual=self._residual(accum.dtype).contribution if self.deltas else None,
+                                         residual=self._residual().contribution if self.deltas else None,
                                          log=self.log, group_name="replicate", kernels=self.kernels)
         return C.ReduceScatterResult(res.output, res if async_op else None)  # ``C.wait`` finishes the sum
 
-    def _residual(self, reduce_dtype: torch.dtype) -> Q.Residual:
+    def _residual(self) -> Q.Residual:
         if self.residual is None:
             master = self.params[0].local
-            self.residual = Q.Residual(torch.zeros(self.r * self.row, dtype=reduce_dtype, device=master.device),
+            self.residual = Q.Residual(torch.zeros(self.r * self.row, dtype=self.reduce_dtype, device=master.device),
                                        torch.zeros(self.row, dtype=master.dtype, device=master.device))
         return self.residual
 
@@ -131,13 +134,18 @@ class OptimizerRows:
 
     # -- the master rows around a step ----------------------------------------------------------------------
     def snapshot(self) -> None:
-        """Before an optimizer step, with int8 deltas ([Note: quantized optimizer rows]): this replica's rows as
-        every replica holds them. No wait: the other replicas' rows may still be on their way (under Lightning's
-        automatic optimization this hook runs before the closure's forward, which waits for them unit by unit)."""
-        if self.deltas:
+        """Before an optimizer step, with int8 deltas and no ``agreed`` copy ([Note: quantized optimizer rows]):
+        this replica's rows as every replica holds them. No wait: the other replicas' rows may still be on their
+        way (under Lightning's automatic optimization this hook runs before the closure's forward, which waits for
+        them unit by unit)."""
+        if self.deltas and self._agreed is None:
             ref = self.params[0].local
             with torch.no_grad():
-                self._before = self._pack([sp.stepped for sp in self.params], ref.dtype, ref.device, self.row)
+                self._agreed = self._pack([sp.stepped for sp in self.params], ref.dtype, ref.device, self.row)
+
+    def written(self) -> None:
+        """Every replica's rows were written alike (a load): the next step's pre-step hook copies them afresh."""
+        self._agreed = None
 
     def share(self, shard_flat: Tensor) -> None:
         """After an optimizer step: starts the all-gather of this replica's updated rows (async)."""
@@ -146,20 +154,20 @@ class OptimizerRows:
             self._pending = self._gather([sp.stepped for sp in self.params], shard_flat.dtype, shard_flat.device,
                                          async_op=True)
             return
-        before, self._before = self._before, None
-        if before is None:
+        agreed = self._agreed
+        if agreed is None:
             raise RuntimeError("MiCS engine: an optimizer step with int8 deltas of the optimizer's rows but no "
-                               "snapshot before it (the optimizer's pre-step hook did not run)")
+                               "copy of them before it (the optimizer's pre-step hook did not run)")
         with torch.no_grad():
-            delta = self._pack([sp.stepped for sp in self.params], before.dtype, before.device, self.row)
-            delta.sub_(before)
+            delta = self._pack([sp.stepped for sp in self.params], agreed.dtype, agreed.device, self.row)
+            delta.sub_(agreed)
             own = torch.empty_like(delta)  # this replica's change as every replica dequantizes it
             self._pending = Q.quantized_all_gather(delta, self.group, self.r, self.quantize.block_size, own=own,
-                                                   residual=self._residual(before.dtype).reduced, async_op=True,
+                                                   residual=self._residual().reduced, async_op=True,
                                                    log=self.log, group_name="replicate", kernels=self.kernels)
-            before.add_(own)  # the rows every replica will hold: the others add the same bits in ``settle``
+            agreed.add_(own)  # the rows every replica will hold: the others add the same bits in ``settle``
             for sp, o in zip(self.params, self.offsets):
-                sp.stepped.view(-1).copy_(before[o:o + sp.stepped.numel()])
+                sp.stepped.view(-1).copy_(agreed[o:o + sp.stepped.numel()])
 
     def settle(self) -> None:
         """Waits for the rows' all-gather, if one is in flight, and writes the other replicas' rows into the
@@ -175,16 +183,18 @@ class OptimizerRows:
                     lo, hi = sp.rows.sub_rows(j)
                     if hi == lo or j == sp.rows.replica:
                         continue
-                    rows = sp.local[lo:hi].view(-1)
-                    got = out[j, o:o + (hi - lo) * sp.rows.rest]
-                    rows.add_(got) if self.deltas else rows.copy_(got)
+                    rows, got = sp.local[lo:hi].view(-1), out[j, o:o + (hi - lo) * sp.rows.rest]
+                    if self.deltas:
+                        rows.add_(got)
+                    else:
+                        rows.copy_(got)
 
     def drop(self) -> None:
         """Local reset after a failure: no wait (a peer may be gone); rows that already arrived are taken. The
         error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
         if self._pending is not None and (self._pending.work is None or self._pending.work.is_completed()):
             self.settle()
-        self._pending = self._before = None
+        self._pending = self._agreed = None
 
     # -- optimizer state ---------------------------------------------------------------------------------------
     def chunks(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype,

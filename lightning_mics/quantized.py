@@ -134,6 +134,19 @@ def _reset_nonfinite(residual: Tensor) -> None:
     residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # [Note: error feedback]
 
 
+def _to_owners(flat: Tensor, group: dist.ProcessGroup, r: int, block_size: int, residual: Optional[Tensor],
+               async_op: bool, kernels: str) -> Tuple[Tensor, Tensor, Optional[dist.Work]]:
+    """Steps 1-2 of [Note: quantized all-reduce]: quantizes ``flat`` into r chunks (error feedback into
+    ``residual``) and all-to-alls them, chunk j to rank j. Returns (the sent wire, to keep referenced until the
+    work is done; the received (r, row_bytes) wire; the work)."""
+    sent = triton_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels, residual=residual)
+    if residual is not None:
+        _reset_nonfinite(residual)
+    recv = torch.empty_like(sent.wire)
+    work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=async_op)
+    return sent.wire, recv, work
+
+
 def quantized_all_reduce(
     flat: Tensor,
     group: dist.ProcessGroup,
@@ -156,12 +169,8 @@ def quantized_all_reduce(
     _check(flat, residual, layout)
     if r == 1 or layout.numel == 0:
         return QuantizedReduce(flat, None, None)
-    sent = triton_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels,
-                                   residual=None if residual is None else residual.contribution)
-    if residual is not None:
-        _reset_nonfinite(residual.contribution)
-    recv = torch.empty_like(sent.wire)
-    work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=async_op)
+    sent, recv, work = _to_owners(flat, group, r, block_size, None if residual is None else residual.contribution,
+                                  async_op, kernels)
     _record(log, "all_reduce", group_name, recv.numel())
 
     def gather_stage():
@@ -170,7 +179,7 @@ def quantized_all_reduce(
                                        residual=None if residual is None else residual.reduced)
         if residual is not None:
             _reset_nonfinite(residual.reduced)
-        rows = torch.empty_like(sent.wire)
+        rows = torch.empty_like(sent)
         done = dist.all_gather_single(rows.view(-1), mine.wire.view(-1), group=group, async_op=async_op)
 
         def copy_stage(_sent=mine.wire):  # the all-gather's input stays referenced until it is done
@@ -207,14 +216,10 @@ def quantized_reduce_scatter(
     if residual is not None and residual.numel() != layout.numel:
         raise ValueError(f"residual holds {residual.numel()} elements; the flat has {layout.numel}")
     out = torch.zeros(layout.chunk, dtype=flat.dtype, device=flat.device)
-    sent = triton_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels, residual=residual)
-    if residual is not None:
-        _reset_nonfinite(residual)
-    recv = torch.empty_like(sent.wire)
-    work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=async_op)
+    sent, recv, work = _to_owners(flat, group, r, block_size, residual, async_op, kernels)
     _record(log, "reduce_scatter", group_name, recv.numel())
 
-    def sum_stage(_sent=sent.wire):  # the all-to-all's input stays referenced until it is done
+    def sum_stage(_sent=sent):  # the all-to-all's input stays referenced until it is done
         if out.dtype == torch.float32:
             triton_kernels.dequantize_sum(recv, r, block_size, out=out, backend=kernels)
         else:

@@ -89,7 +89,7 @@ class Unit:
             if not sp.meta:
                 sp.copy_rows_from_full(tp_locals[i].detach())
             self.params.append(sp)
-        self.optimizer_rows = OptimizerRows(self.params, topo, log, kernels, self.quantize) \
+        self.optimizer_rows = OptimizerRows(self.params, topo, log, kernels, self.quantize, reduce_dtype) \
             if reps > 1 and self.params else None
 
         # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
@@ -300,6 +300,11 @@ class Unit:
         """Before an optimizer step: the rows it may change, as every replica holds them (int8 deltas only)."""
         if self.optimizer_rows is not None:
             self.optimizer_rows.snapshot()
+
+    def rows_written(self) -> None:
+        """Every replica's chunk was written alike (a load): [Note: quantized optimizer rows]."""
+        if self.optimizer_rows is not None:
+            self.optimizer_rows.written()
 
     def share_rows(self) -> None:
         """After an optimizer step: the all-gather of this replica's updated rows starts (async)."""

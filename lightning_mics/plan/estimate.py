@@ -201,7 +201,7 @@ def _feedback_bytes(units: List[_Unit], st: Settings, s: int, reduce: int) -> in
         return 0
     if _over_replicas(st, s) > 1:  # [Note: quantized optimizer rows]: the contribution and the delta, per unit
         master = st.dtypes()[0]
-        return sum(r * _row(u) * reduce + _row(u) * master for u in units if _unit_buckets(u, st))
+        return sum(r * _row(u) * reduce + _row(u) * master for u in units if u.sharded)
     return reduce * sum(feedback_numel(b, r, st.quantization_block_size)
                         for u in units if u.sharded for b in _unit_buckets(u, st))
 
@@ -266,10 +266,10 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             add("reduce_scatter/shard", s * b * reduce, A)
             if r > 1 and not st.shard_optimizer_state:
                 add("all_reduce/replicate", _replica_bytes(b, r, reduce, st))
-        if r > 1 and st.shard_optimizer_state and _unit_buckets(u, st):  # [Note: optimizer rows over replicas]
+        if r > 1 and st.shard_optimizer_state:  # [Note: optimizer rows over replicas]: reduce-scatter (trainable)
             B = st.quantization_block_size  # [Note: quantized optimizer rows]
             add("reduce_scatter/replicate", wire_bytes(r * _row(u), r, B) if st.quantize_gradients else
-                r * sum(u.slots) * reduce)
+                r * sum(u.slots) * reduce, 1 if _unit_buckets(u, st) else 0)
             add("all_gather/replicate", r * wire_bytes(_row(u), 1, B) if st.quantize_gradients == "error_feedback"
                 else r * sum(u.slots) * master)
     if W > 1:

@@ -356,6 +356,35 @@ def case_feedback(s, precision="32-true"):
     return out
 
 
+def case_feedback_rows(s):
+    """Error feedback with the optimizer's rows over the replicas ([Note: quantized optimizer rows]), AdamW:
+    saves halfway (sharded), trains on; then loads that checkpoint into the same, live model and optimizer (rows
+    in flight, each replica's agreed copy taken) and trains on again, and a fresh model resumes from it. Both
+    against the uninterrupted run; and every replica of a shard rank holds the same chunk bits at the end."""
+    from lightning_mics.frontend import ENGINES
+
+    fabric = new_fabric(int(s), state_dict_type="sharded", shard_optimizer_state=True, **EF)
+    path = OUT / "ef-rows"
+    model, opt, _ = setup(fabric, "split", "adamw")
+    data, half = batches(2), STEPS // 2
+    fabric_steps(fabric, model, opt, data, "none", 0, half)
+    fabric.save(path, {"model": model, "optimizer": opt, "step": half})
+    fabric_steps(fabric, model, opt, data, "none", half, STEPS)
+    straight = full_state(fabric, model)
+    state = {"model": model, "optimizer": opt, "step": 0}
+    fabric.load(path, state)
+    fabric_steps(fabric, model, opt, data, "none", state["step"], STEPS)
+    live = full_state(fabric, model)
+    engine = ENGINES[model.module]
+    engine.quiesce()
+    chunks = torch.cat([sp.local.reshape(-1) for u in engine.units for sp in u.params])
+    every = [torch.empty_like(chunks) for _ in range(engine.topo.layout.replicas)]  # same shard rank: same size
+    torch.distributed.all_gather(every, chunks, group=engine.topo.replica_group)
+    same = all(torch.equal(t, chunks) for t in every)
+    fresh = _resume(fabric, path, data, "adamw", "none")[0]
+    return {"live": compare(live, straight), "fresh": compare(fresh, straight), "same": same}
+
+
 def _refuses_foreign_residuals(model):
     """Residuals of the right names but another size (a checkpoint of another model) given to the engine that
     just resumed: refused with a ValueError, and none taken, not even one of the right size listed before it."""
@@ -419,8 +448,9 @@ def case_nonfinite():
 def case_quant(s, accum, block, layout=""):
     """quant_equiv.py's nn.Linear + SGD under the Fabric loop (no_backward_sync while accumulating), unquantized
     and with quantize_gradients=True (``layout`` "os": ``"error_feedback"`` with shard_optimizer_state=True, [Note:
-    quantized optimizer rows]); per run the collectives on this rank's replica group (op, dtype) and, on rank 0,
-    the parameters, the float64 reference and the bound of [Note: the equivalence bound]."""
+    quantized optimizer rows], the weight and the bias stepped by two SGD optimizers one after the other); per run
+    the collectives on this rank's replica group (op, dtype) and, on rank 0, the parameters, the float64 reference
+    and the bound of [Note: the equivalence bound]."""
     from argparse import Namespace
 
     from tests.scripts import quant_equiv as Q
@@ -438,7 +468,10 @@ def case_quant(s, accum, block, layout=""):
         fabric.launch()
         rank = fabric.global_rank
         model = fabric.setup_module(Q.build())
-        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=Q.LR))
+        if layout == "os" and len(v) > 1:  # plain SGD either way: the same updates, two pre- and post-step hooks
+            opts = fabric.setup_optimizers(*(torch.optim.SGD([p], lr=Q.LR) for p in (model.weight, model.bias)))
+        else:
+            opts = [fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=Q.LR))]
         replica = tuple(fabric.strategy.topology.layout.replica_group_of(rank))
         counter = CommCounter()
         with counter:
@@ -447,8 +480,10 @@ def case_quant(s, accum, block, layout=""):
                 for m in range(A):
                     with fabric.no_backward_sync(model, enabled=m < A - 1):
                         fabric.backward(Fn.mse_loss(model(x[idx[m]]), y[idx[m]]) / A)
-                opt.step()
-                opt.zero_grad()
+                for opt in opts:
+                    opt.step()
+                for opt in opts:
+                    opt.zero_grad()
         on_replica = [(op, str(dt)) for (op, g, _), dt in zip(counter.events, counter.dtypes)
                       if g is not None and tuple(g) == replica]
         run = {"replica": sorted(set(on_replica)), "replica_ops": len(on_replica)}
@@ -464,7 +499,8 @@ def case_quant(s, accum, block, layout=""):
 
 
 CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
-         "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback, "feedback_load": case_feedback_load}
+         "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback, "feedback_load": case_feedback_load,
+         "feedback_rows": case_feedback_rows}
 
 
 def main():
