@@ -157,7 +157,8 @@ def reduce_scatter_grads(
     _record(log, "reduce_scatter", group_name, buf.numel() * buf.element_size())
     if fewest_bytes and dist.get_backend(group) == "gloo":
         recv = torch.empty_like(buf)
-        work = _SumAfter(dist.all_to_all_single(recv, buf, group=group, async_op=True), recv, out)
+        work = FinishAfter(dist.all_to_all_single(recv, buf, group=group, async_op=True),
+                           lambda: torch.sum(recv, dim=0, out=out))
         if not async_op:
             work.wait()
         return ReduceScatterResult(out, work if async_op else None)
@@ -170,20 +171,22 @@ def reduce_scatter_grads(
 # each rank keeping its part: every rank sends the buffer's size, twice what a ring reduce-scatter sends
 # ((k-1)/k of it), as measured on loopback for 2 ranks (2.0x vs an all-to-all's 1.0x of the buffer in all).
 # Where the bytes cost (the replica hop over a slow link) the reduce-scatter is an all-to-all of the rank-major
-# rows and a local sum of the k received rows (``_SumAfter``): the ring's bytes. NCCL's reduce-scatter moves
+# rows and a local sum of the k received rows (``FinishAfter``): the ring's bytes. NCCL's reduce-scatter moves
 # those already and is used as it is.
-class _SumAfter:
-    """An all-to-all standing for a reduce-scatter: waiting for it sums the received rows into the output."""
+class FinishAfter:
+    """A collective whose result needs local work once it is done (an all-to-all standing for a reduce-scatter:
+    the sum of the received rows), waited like a ``dist.Work``: the first ``wait`` runs ``finish``, once, and
+    drops what it holds."""
 
-    def __init__(self, work: dist.Work, recv: Tensor, out: Tensor) -> None:
-        self.work, self.recv, self.out = work, recv, out
+    def __init__(self, work: dist.Work, finish: Callable[[], object]) -> None:
+        self.work, self.finish = work, finish
 
     def wait(self, *args: object, **kwargs: object) -> bool:
         if self.work is not None:
             self.work.wait(*args, **kwargs)
             self.work = None
-            torch.sum(self.recv, dim=0, out=self.out)
-            self.recv = None
+            finish, self.finish = self.finish, None
+            finish()
         return True
 
     def is_completed(self) -> bool:

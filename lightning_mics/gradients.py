@@ -229,8 +229,8 @@ class UnitGrads:
 
     def start_replica_gathers(self) -> None:
         """Int8 replica all-reduces whose all-to-all is in flight wait for it and issue their all-gather."""
-        for work, _, _ in self._replica_work:  # (the optimizer rows' reduce-scatter has no all-gather to issue)
-            if isinstance(work, Q.QuantizedReduce) and work.stage == 1 and self.rows is None:
+        for work, _, _ in self._replica_work:
+            if isinstance(work, Q.QuantizedReduce) and work.stage == 1:
                 work.advance()
 
     def residuals(self) -> List[Tensor]:

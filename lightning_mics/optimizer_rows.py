@@ -52,6 +52,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+import triton_kernels
 from lightning_mics import collectives as C
 from lightning_mics import quantized as Q
 from lightning_mics.placement import ShardedParam
@@ -72,7 +73,7 @@ class OptimizerRows:
             self.offsets.append(self.offsets[-1] + sp.rows.sub_chunk * sp.rows.rest)
         self.quantize = quantize or Q.QuantizeSpec()  # [Note: quantized optimizer rows]
         self.deltas = self.quantize.gradients == "error_feedback"  # the all-gather sends int8 deltas
-        self.row = -(-self.offsets[-1] // 4) * 4  # one replica's row, a whole quantized chunk
+        self.row = Q.chunk_numel(self.offsets[-1])  # one replica's row, padded to a whole quantized chunk
         self.reduce_dtype = reduce_dtype or self.params[0].local.dtype
         self.residual: Optional[Q.Residual] = None  # error feedback: (contribution, delta), lazily
         self._agreed: Optional[Tensor] = None  # this replica's rows as every replica holds them (int8 deltas)
@@ -92,14 +93,11 @@ class OptimizerRows:
                                           log=self.log, group_name="replicate", kernels=self.kernels,
                                           fewest_bytes=True)  # [Note: reduce-scatter on gloo] in collectives.py
         send = torch.zeros(self.r, self.row, dtype=accum.dtype, device=accum.device)  # replica-major, padded
-        for sp, o, chunk in zip(self.params, self.offsets, chunks):
-            for j in range(self.r):
-                lo, hi = sp.rows.sub_rows(j)
-                send[j, o:o + (hi - lo) * sp.rows.rest].copy_(chunk[lo:hi].reshape(-1))
-        res = Q.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
-                                         residual=self._residual().contribution if self.deltas else None,
-                                         log=self.log, group_name="replicate", kernels=self.kernels)
-        return C.ReduceScatterResult(res.output, res if async_op else None)  # ``C.wait`` finishes the sum
+        send[:, :self.offsets[-1]].copy_(triton_kernels.chunk_cat(chunks, self.r, dtype=accum.dtype,
+                                                                  backend=self.kernels))
+        return Q.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
+                                          residual=self._residual().contribution if self.deltas else None,
+                                          log=self.log, group_name="replicate", kernels=self.kernels)
 
     def _residual(self) -> Q.Residual:
         if self.residual is None:

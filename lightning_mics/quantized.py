@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import triton_kernels
-from lightning_mics.collectives import AllGatherResult, NodeGroups
+from lightning_mics.collectives import AllGatherResult, FinishAfter, NodeGroups, ReduceScatterResult
 from lightning_mics.telemetry import CommLog
 from triton_kernels._quant_layout import quant_layout
 
@@ -94,6 +94,12 @@ class QuantizedReduce:
         while not self.done:
             self.advance()
         return True
+
+
+def chunk_numel(numel: int) -> int:
+    """Elements of the one quantized chunk that holds ``numel``: the wire's chunks are multiples of 4 elements
+    ([Note: quantized wire format]); a flat of r such rows is cut into exactly those r chunks."""
+    return quant_layout(numel, DEFAULT_BLOCK_SIZE).chunk
 
 
 def wire_bytes(numel: int, group_size: int, block_size: int) -> int:
@@ -204,12 +210,12 @@ def quantized_reduce_scatter(
     log: Optional[CommLog] = None,
     group_name: str = "replicate",
     kernels: str = "auto",
-) -> QuantizedReduce:
+) -> ReduceScatterResult:
     """Steps 1-3 of [Note: quantized all-reduce]: the sum over ``group`` of this rank's chunk of the 1-D ``flat``
     (r chunks of ``quant_layout(n, block_size, r).chunk`` elements, rank j's the j-th), in ``flat``'s dtype, as
-    the handle's ``output``. ``residual`` (n elements): error feedback of the contribution. Synchronous: returns
-    done; ``async_op``: the all-to-all is in flight, ``wait()`` sums. One ``reduce_scatter/<group_name>`` call
-    is recorded with the int8 wire buffer's bytes."""
+    ``output``. ``residual`` (n elements): error feedback of the contribution. Synchronous: returns it summed;
+    ``async_op``: the all-to-all is in flight, and waiting for the ``work`` (``collectives.wait``) sums. One
+    ``reduce_scatter/<group_name>`` call is recorded with the int8 wire buffer's bytes."""
     r = dist.get_world_size(group)
     layout = quant_layout(flat.numel(), block_size, r)
     _check(flat, None, layout)
@@ -219,17 +225,16 @@ def quantized_reduce_scatter(
     sent, recv, work = _to_owners(flat, group, r, block_size, residual, async_op, kernels)
     _record(log, "reduce_scatter", group_name, recv.numel())
 
-    def sum_stage(_sent=sent):  # the all-to-all's input stays referenced until it is done
+    def finish(_sent=sent):  # the all-to-all's input stays referenced until it is done
         if out.dtype == torch.float32:
             triton_kernels.dequantize_sum(recv, r, block_size, out=out, backend=kernels)
         else:
             out.copy_(triton_kernels.dequantize_sum(recv, r, block_size, backend=kernels))
-        return None, None
 
-    res = QuantizedReduce(out, work, sum_stage)
     if not async_op:
-        res.wait()
-    return res
+        finish()
+        return ReduceScatterResult(out, None)
+    return ReduceScatterResult(out, FinishAfter(work, finish))
 
 
 def quantized_all_gather(

@@ -56,7 +56,7 @@ from lightning_mics.collectives import bucket_runs
 from lightning_mics.placement import Rows
 from lightning_mics.plan.models import ModelSpec, ParamShape, UnitShapes
 from lightning_mics.plan.settings import GiB, OPTIMIZER_STATES, Settings, _fail
-from lightning_mics.quantized import feedback_numel, wire_bytes
+from lightning_mics.quantized import chunk_numel, feedback_numel, wire_bytes
 from lightning_mics.replicated import DDP_BUCKET_BYTES
 from lightning_mics.sharding import stays_replicated
 from lightning_mics.topology import plan_layout
@@ -209,7 +209,7 @@ def _feedback_bytes(units: List[_Unit], st: Settings, s: int, reduce: int) -> in
 def _row(u: _Unit) -> int:
     """One replica's row of a unit's optimizer rows, padded to a quantized chunk ([Note: quantized optimizer
     rows] in optimizer_rows.py)."""
-    return -(-sum(u.slots) // 4) * 4
+    return chunk_numel(sum(u.slots))
 
 
 def _replica_bytes(b: int, r: int, reduce: int, st: Settings) -> int:

@@ -216,7 +216,7 @@ def case_reduce_scatter(r, rank):
         with CommCounter() as seen:
             got = Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block).output
         handle = Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block, async_op=True)
-        wait(handle)
+        wait(handle.work)
         ref = sum(x.double() for x in xs)[mine]
         amax = sum(block_absmax(x, r, block) for x in xs)[mine]
         err = (got[:mine.stop - mine.start].double() - ref).abs()
