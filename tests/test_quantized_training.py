@@ -158,7 +158,8 @@ def test_bf16_mixed_quantized_gradients_within_bound_fp32_masters_int8_replica_t
             assert ("all_to_all" in ops) == q and ("all_reduce" in ops) == (not q), (v, ops)
 
 
-@pytest.mark.parametrize("precision, rows", [("32-true", False), ("bf16-mixed", False), ("32-true", True)])
+@pytest.mark.parametrize("precision, rows", [("32-true", False), ("bf16-mixed", False), ("32-true", True),
+                                             ("bf16-mixed", True)])
 def test_error_feedback_residuals_resume_through_the_trainer(tmp_path, precision, rows):
     """quantize_gradients='error_feedback' under the Trainer (4 ranks, s = 2, 32-element blocks), saved by
     ModelCheckpoint at the end of epoch 0 and resumed with fit(ckpt_path=...) from step 3 to 6
