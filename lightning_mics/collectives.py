@@ -36,6 +36,23 @@ from torch import Tensor
 import triton_kernels
 from lightning_mics.telemetry import CommLog
 
+# torch 2.13 renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single`` (the old names stay as
+# deprecated aliases that warn). Users on GPUs bring their own torch, often an older one, so the engine calls these
+# two, which take whichever name this torch has (looked up at each call, so a wrapper set on ``torch.distributed``
+# by a profiler or a benchmark still sees every call): the same c10d ops with the same arguments either way.
+
+
+def all_gather_single(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
+                      async_op: bool = False) -> Optional[dist.Work]:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
+                          async_op: bool = False) -> Optional[dist.Work]:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
 
 class AllGatherResult(NamedTuple):
     output: Optional[Tensor]  # (s, S) rank-major; None until ``finish`` has run (two hops)
@@ -80,7 +97,7 @@ def all_gather_flat(
     send = shard if shard.dtype == dtype else triton_kernels.flatten([shard], dtype=dtype, backend=kernels)
     if out is None:
         out = torch.empty(group_size * send.numel(), dtype=dtype, device=send.device)
-    work = dist.all_gather_single(out, send, group=group, async_op=async_op)
+    work = all_gather_single(out, send, group=group, async_op=async_op)
     _record(log, "all_gather", group_name, out.numel() * out.element_size())
     return AllGatherResult(out.view(group_size, -1), work if async_op else None)
 
@@ -106,12 +123,12 @@ def all_gather_two_hop(
     first, second = (nodes.inter, nodes.intra) if order == "inter_first" else (nodes.intra, nodes.inter)
     k1, k2 = (n, p) if order == "inter_first" else (p, n)
     hop1 = torch.empty(k1 * size, dtype=dtype, device=send.device)
-    work = dist.all_gather_single(hop1, send, group=first, async_op=async_op)
+    work = all_gather_single(hop1, send, group=first, async_op=async_op)
     _record(log, "all_gather", "inter" if order == "inter_first" else "intra", hop1.numel() * hop1.element_size())
 
     def finish() -> Tensor:
         hop2 = torch.empty(k2 * hop1.numel(), dtype=dtype, device=send.device)
-        dist.all_gather_single(hop2, hop1, group=second)
+        all_gather_single(hop2, hop1, group=second)
         _record(log, "all_gather", "intra" if order == "inter_first" else "inter", hop2.numel() * hop2.element_size())
         if order == "inter_first":  # (p, n, S) row (l, a) -> rank-major (n, p, S)
             return hop2.view(p, n, size).transpose(0, 1).contiguous().view(n * p, size)
@@ -162,7 +179,7 @@ def reduce_scatter_grads(
         if not async_op:
             work.wait()
         return ReduceScatterResult(out, work if async_op else None)
-    work = dist.reduce_scatter_single(out, buf.view(-1), group=group, async_op=async_op)
+    work = reduce_scatter_single(out, buf.view(-1), group=group, async_op=async_op)
     return ReduceScatterResult(out, work if async_op else None)
 
 
@@ -263,7 +280,7 @@ def all_gather_batch(batch: object, group: dist.ProcessGroup, group_size: int) -
         if t.dim() == 0:
             return t
         out = t.new_empty((group_size * t.shape[0], *t.shape[1:]))
-        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+        all_gather_single(out, t.contiguous(), group=group)
         return out
 
     return apply_to_collection(batch, Tensor, gather)

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import triton_kernels
-from lightning_mics.collectives import AllGatherResult, FinishAfter, NodeGroups, ReduceScatterResult
+from lightning_mics.collectives import AllGatherResult, FinishAfter, NodeGroups, ReduceScatterResult, all_gather_single
 from lightning_mics.telemetry import CommLog
 from triton_kernels._quant_layout import quant_layout
 
@@ -186,7 +186,7 @@ def quantized_all_reduce(
         if residual is not None:
             _reset_nonfinite(residual.reduced)
         rows = torch.empty_like(sent)
-        done = dist.all_gather_single(rows.view(-1), mine.wire.view(-1), group=group, async_op=async_op)
+        done = all_gather_single(rows.view(-1), mine.wire.view(-1), group=group, async_op=async_op)
 
         def copy_stage(_sent=mine.wire):  # the all-gather's input stays referenced until it is done
             triton_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
@@ -266,7 +266,7 @@ def quantized_all_gather(
     if own is not None:  # one row: its padding is dropped
         triton_kernels.dequantize(mine.wire, [own], block_size, backend=kernels)
     rows = torch.empty(group_size * mine.layout.row_bytes, dtype=torch.uint8, device=shard.device)
-    work = dist.all_gather_single(rows, mine.wire.view(-1), group=group, async_op=async_op)
+    work = all_gather_single(rows, mine.wire.view(-1), group=group, async_op=async_op)
     _record(log, "all_gather", group_name, rows.numel())
 
     def finish() -> Tensor:
@@ -306,7 +306,7 @@ def quantized_all_gather_two_hop(
     def finish() -> Tensor:
         first = hop1.finish() if hop1.finish is not None else hop1.output
         hop2 = torch.empty(p * first.numel(), dtype=dtype, device=shard.device)
-        dist.all_gather_single(hop2, first.view(-1), group=nodes.intra)
+        all_gather_single(hop2, first.view(-1), group=nodes.intra)
         _record(log, "all_gather", "intra", hop2.numel() * hop2.element_size())
         return hop2.view(p, n, size).transpose(0, 1).contiguous().view(n * p, size)  # (l, a) -> rank-major
 

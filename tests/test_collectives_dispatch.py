@@ -217,3 +217,29 @@ def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(tmp_path):
         assert any(e["nonconsecutive"] for e in r["results"]), r
         for e in r["results"]:
             assert e["err"] <= 1e-6 and not e["late_left"] and not e["issued"], e
+
+
+NAMES_SCRIPT = REPO / "tests" / "scripts" / "torch_names.py"
+
+
+@pytest.mark.parametrize("old_names", [False, True], ids=["torch-2.13-names", "older-torch-names"])
+def test_engine_collectives_run_under_either_torch_name(tmp_path, old_names):
+    """Users on GPUs bring their own torch: where ``all_gather_single`` / ``reduce_scatter_single`` do not exist
+    yet (before 2.13) the engine calls the older names, and on 2.13 the new ones (no deprecation warning)."""
+    res = run_ranks(NAMES_SCRIPT, 2, ["--old-names"] if old_names else [], tmp_path, timeout=120)
+    for r in res:
+        assert r["gather_ok"] and r["scatter_ok"]
+        if old_names:
+            assert r["called"] == ["all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_into_tensor"]
+        else:
+            assert r["called"] == ["all_gather_single", "reduce_scatter_single", "all_gather_single"]
+            assert r["future_warnings"] == []
+
+
+def test_the_package_calls_the_renamed_collectives_only_through_collectives_py():
+    """One place decides which name a torch has: nothing else in the package names either spelling on ``dist``."""
+    import re
+    pattern = re.compile(r"dist\.(all_gather_single|reduce_scatter_single|all_gather_into_tensor|reduce_scatter_tensor)\(")
+    found = [f"{p.relative_to(REPO)}:{i}" for p in sorted((REPO / "lightning_mics").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], found
