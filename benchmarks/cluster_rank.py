@@ -85,10 +85,11 @@ class CommClock:
     def install(self) -> None:
         """Wraps the collectives and ``Work.wait`` of this process (``uninstall`` puts them back)."""
         work_cls = dist.distributed_c10d.Work
-        self._originals = {name: getattr(dist, name) for name in _WRAPPED}
+        # the names this torch has (``*_single`` from 2.13)
+        self._originals = {name: getattr(dist, name) for name in _WRAPPED if hasattr(dist, name)}
         self._original_wait = original_wait = work_cls.wait
-        for name, arg in _WRAPPED.items():
-            setattr(dist, name, self._wrap(name, self._originals[name], arg))
+        for name, fn in self._originals.items():
+            setattr(dist, name, self._wrap(name, fn, _WRAPPED[name]))
         clock = self
 
         def wait(work: Any, *a: Any, **k: Any) -> Any:

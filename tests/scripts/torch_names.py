@@ -28,7 +28,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.old_names:
         for name in NAMES[:2]:
-            delattr(dist, name)
+            if hasattr(dist, name):
+                delattr(dist, name)
+    has_new_names = hasattr(dist, "all_gather_single")
     called = []
     for name in NAMES:
         fn = getattr(dist, name, None)
@@ -56,6 +58,7 @@ def main() -> None:
     expect_shard = torch.arange(world * 4, dtype=torch.float32)[rank * 4:(rank + 1) * 4] * sum(range(1, world + 1))
     Path(args.out, f"result{rank}.json").write_text(json.dumps({
         "called": called,
+        "has_new_names": has_new_names,
         "gather_ok": torch.equal(gathered, expect_gather),
         "scatter_ok": torch.equal(shard, expect_shard),
         "future_warnings": [str(w.message) for w in seen if issubclass(w.category, FutureWarning)],
