@@ -219,18 +219,18 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
             pts = [(rates.index(r["rate_mbit"]), r["step_s"]) for r in rows
                    if r["case"] == case and r["accum"] == accum]
             if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", label=case)
+                ax.plot(*zip(*sorted(pts)), marker="o", label=case, color=f"C{CASES.index(case)}")
         floor = [(rates.index(r["rate_mbit"]), r["floor_s"]) for r in rows
                  if r["case"] == "mics_host" and r["accum"] == accum and r["floor_s"]]
         if floor:
-            ax.plot(*zip(*sorted(floor)), ls=":", color="k", label="mics_host link floor")
+            ax.plot(*zip(*sorted(floor)), ls=":", marker="_", ms=14, color="k", label="mics_host link floor")
         ax.set_xticks(range(len(rates)), [f"{x:g}" if x else "unshaped" for x in rates])
         ax.set_yscale("log")
         ax.set_xlabel("link rate, Mbit/s each way")
         ax.set_ylabel("step time, s (slowest rank, median)")
         ax.set_title(f"accumulation {accum}")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=8)  # each panel its own: a case may have run at one accumulation only
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
