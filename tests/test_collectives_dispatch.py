@@ -225,8 +225,9 @@ NAMES_SCRIPT = REPO / "tests" / "scripts" / "torch_names.py"
 @pytest.mark.parametrize("old_names", [False, True], ids=["torch-2.13-names", "older-torch-names"])
 def test_engine_collectives_run_under_either_torch_name(tmp_path, old_names):
     """Users on GPUs bring their own torch: where ``all_gather_single`` / ``reduce_scatter_single`` do not exist
-    yet (before 2.13) the engine calls the older names, and on 2.13 the new ones (no deprecation warning)."""
-    res = run_ranks(NAMES_SCRIPT, 2, ["--old-names"] if old_names else [], tmp_path, timeout=120)
+    yet (before 2.13) the engine calls the older names, and on 2.13 the new ones (no deprecation warning).
+    Fresh interpreters: the script removes the new names before the package is first imported."""
+    res = run_ranks(NAMES_SCRIPT, 2, ["--old-names"] if old_names else [], tmp_path, timeout=120, fresh=True)
     for r in res:
         assert r["gather_ok"] and r["scatter_ok"]
         if old_names or not r["has_new_names"]:

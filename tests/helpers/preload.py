@@ -1,0 +1,16 @@
+"""Imported once by the test launcher's fork server (``tests/helpers/launch.py``) before it forks any rank.
+
+A module that fails to import here is left out of ``sys.modules``, so the rank that imports it later fails
+with its own traceback in its log, as a fresh interpreter would: preloading only saves time.
+"""
+
+import importlib
+
+MODULES = ["torch", "torch.distributed", "lightning", "lightning_mics", "lightning_mics.fabric",
+           "lightning_mics.app.models", "tests.helpers.comm_mode", "litgpt"]
+
+for _name in MODULES:
+    try:
+        importlib.import_module(_name)
+    except Exception:  # the rank's own import reports it
+        pass
