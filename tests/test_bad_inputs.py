@@ -1,9 +1,11 @@
-"""The bad-input table (issue 19): every bad strategy option or combination, each as its own real process started
-the user's way, exits non-zero within 60 s with a message naming the option, the value and what is allowed.
+"""The bad-input table (issue 19): every bad strategy option or combination, each as its own real process,
+exits non-zero within 60 s with a message naming the option, the value and what is allowed.
 
 Most are refused in ``MiCSStrategy.__init__`` (lightning_mics/config.py: ``MiCSConfig.__post_init__``) or when the
-Trainer is made (``validate_world``, the precision check), before any process is launched: those run as one plain
-``python tests/scripts/bad_input.py`` with ``devices=2`` and never start the second rank. Those that need the model
+Trainer is made (``validate_world``, the precision check), before any process is launched: those run
+``tests/scripts/bad_input.py`` with ``devices=2`` as one process and never start the second rank (the process is
+forked from the test launcher's server that has imported Lightning, ``tests/helpers/launch.py``: what is checked
+is the refusal, not the interpreter's start; the other kinds start a fresh ``python``). Those that need the model
 (a ``shard_units`` or ``activation_checkpointing`` class the model does not contain, a checkpoint group longer
 than the run of blocks) are refused at setup: Lightning's launcher starts rank 1, both ranks raise the same error
 before the first collective of the engine, and both exit (the output holds each rank's line). Two run under
@@ -21,7 +23,7 @@ import time
 
 import pytest
 
-from tests.helpers.launch import REPO, free_port
+from tests.helpers.launch import REPO, free_port, start
 
 pytestmark = pytest.mark.distributed
 
@@ -119,11 +121,15 @@ def _job_pids(marker: str):
     return pids
 
 
+def _script_args(options, extra, out):
+    return ["--out", str(out), "--strategy", json.dumps(options), *extra]
+
+
 def _command(kind, options, extra, out):
     if kind == APP:
         return [sys.executable, "-m", "lightning_mics.app.train", *options, "trainer.devices=2",
                 "trainer.max_steps=2", f"hydra.run.dir={out}/hydra"]
-    args = [str(SCRIPT), "--out", str(out), "--strategy", json.dumps(options), *extra]
+    args = [str(SCRIPT), *_script_args(options, extra, out)]
     if kind == TORCHRUN:
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-port", str(free_port()), *args]
@@ -136,18 +142,19 @@ def test_bad_input_exits_naming_option_value_and_allowed(tmp_path, kind, options
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO), MASTER_PORT=str(free_port()),
                HYDRA_FULL_ERROR="1")
     log = tmp_path / "job.log"
-    start = time.monotonic()
-    with open(log, "w") as f:
-        proc = subprocess.Popen(_command(kind, options, extra, tmp_path), cwd=tmp_path, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=BOUND_S)
-        except subprocess.TimeoutExpired:
-            code = None
-        elapsed = time.monotonic() - start
-        if code is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    began = time.monotonic()
+    if kind == INIT:
+        proc = start(SCRIPT, _script_args(options, extra, tmp_path), env, tmp_path, log)
+    else:
+        with open(log, "w") as f:
+            proc = subprocess.Popen(_command(kind, options, extra, tmp_path), cwd=tmp_path, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        code = None
+        os.killpg(proc.pid, signal.SIGKILL) if kind != INIT else proc.kill()
+        proc.wait()
     output = log.read_text()
     assert code is not None, f"still running after {BOUND_S} s:\n{output[-4000:]}"
     assert code != 0, output[-4000:]
@@ -161,6 +168,6 @@ def test_bad_input_exits_naming_option_value_and_allowed(tmp_path, kind, options
         while _job_pids(str(tmp_path)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not _job_pids(str(tmp_path)), f"a rank was left running\n{output[-4000:]}"
-        assert time.monotonic() - start < BOUND_S, f"the last rank ended after {time.monotonic() - start:.0f} s"
+        assert time.monotonic() - began < BOUND_S, f"the last rank ended after {time.monotonic() - began:.0f} s"
     if kind == INIT:
         assert "[rank 0] refused: " in output and "[rank 1]" not in output  # refused before any launch

@@ -82,12 +82,28 @@ class _Forked:
     def kill(self) -> None:
         self.proc.kill()
 
-    def wait(self) -> None:
-        self.proc.join()
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        self.proc.join(timeout)
+        if self.proc.exitcode is None:
+            raise subprocess.TimeoutExpired(self.proc.name, timeout)
+        return self.proc.exitcode
 
     @property
     def returncode(self) -> Optional[int]:
         return self.proc.exitcode
+
+
+def start(script: Path, argv: List[str], env: Dict[str, str], cwd: Path, log_path: Path, fresh: bool = False):
+    """Starts ``python script argv...`` as one process (forked from the preloaded server, or with ``fresh`` a new
+    interpreter), stdout and stderr to ``log_path``; returns a handle with ``poll``, ``kill``, ``wait`` and
+    ``returncode`` like ``subprocess.Popen``'s."""
+    if fresh:
+        with open(log_path, "w") as log:
+            return subprocess.Popen([sys.executable, str(script), *argv], env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=str(cwd))
+    p = _context().Process(target=_rank_main, args=(str(script), argv, env, str(cwd), str(log_path)))
+    p.start()
+    return _Forked(p)
 
 
 def run_ranks(script: Path, world: int, args: List[str], out_dir: Path, timeout: float = 600,
@@ -101,19 +117,8 @@ def run_ranks(script: Path, world: int, args: List[str], out_dir: Path, timeout:
                    LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO),
                    PYTHONUNBUFFERED="1")
         env.update(extra_env or {})
-        log_path = out_dir / f"rank{rank}.log"
-        argv = ["--out", str(out_dir), *args]
-        if fresh:
-            log = open(log_path, "w+")
-            procs.append(subprocess.Popen([sys.executable, str(script), *argv], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=str(out_dir)))
-            log.close()
-        else:
-            p = _context().Process(target=_rank_main, args=(str(script), argv, env, str(out_dir), str(log_path)),
-                                   name=f"rank{rank}")
-            p.start()
-            procs.append(_Forked(p))
-        logs.append(log_path)
+        logs.append(out_dir / f"rank{rank}.log")
+        procs.append(start(script, ["--out", str(out_dir), *args], env, out_dir, logs[-1], fresh=fresh))
     deadline = time.monotonic() + timeout
     failed = None
     while True:
