@@ -26,24 +26,21 @@ from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any, Dict, Generator, List, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics import checkpoint as ckpt
-from lightning_mics import checkpoint_steps as steps
 from lightning_mics import fabric_checkpoint as fc
 from lightning_mics import frontend as F
 from lightning_mics.precision import sharded_scaler
@@ -52,7 +49,6 @@ from lightning_mics.config import MiCSOptions, config_from, with_options_signatu
 from lightning_mics.materialize import has_meta
 from lightning_mics.engine import MiCSEngine
 from lightning_mics.sharding import resolve_classes
-from lightning_mics.topology import Topology
 
 _log = logging.getLogger("lightning.fabric.strategies.mics")
 _PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
@@ -62,7 +58,7 @@ def _fail(option: str, value: Any, allowed: str) -> None:
     raise ValueError(f"MiCSStrategy option {option}={value!r} is invalid under Fabric: allowed is {allowed}.")
 
 
-class MiCSStrategy(ParallelStrategy):
+class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     """MiCS sharded data parallelism for Fabric: model state sharded over s ranks, replicated r = world / s
     times; the options of :class:`lightning_mics.config.MiCSConfig`."""
 
@@ -82,8 +78,6 @@ class MiCSStrategy(ParallelStrategy):
         resolve_classes(self.options.shard_units, "shard_units")
         resolve_classes(self.options.activation_checkpointing, "activation_checkpointing")
         self._process_group_backend = process_group_backend
-        self._num_nodes = 1
-        self._topology: Optional[Topology] = None
         self._engines: List[MiCSEngine] = []
         self._step_hooks: List[Any] = []
         self._optimizers: List[Optimizer] = []  # set up, for teardown's plain switch
@@ -94,45 +88,9 @@ class MiCSStrategy(ParallelStrategy):
 
     # -- layout -----------------------------------------------------------------------------------------------
     @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     @override
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
-    def topology(self) -> Topology:
-        if self._topology is None:
-            raise RuntimeError("MiCSStrategy.topology exists once Fabric has launched (fabric.launch()).")
-        return self._topology
-
-    @property
-    def device_mesh(self) -> Any:
-        """The DeviceMesh with axes ("replicate", "shard")."""
-        return self.topology.mesh
-
-    def _ranks_per_node(self) -> int:
-        return self.options.ranks_per_node or max(self.num_processes, 1)
 
     def _check(self) -> int:
         """Every check that needs the world or the precision, before any process or collective."""
@@ -155,19 +113,9 @@ class MiCSStrategy(ParallelStrategy):
         super().setup_environment()
         self._check()
         reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = F.connect(self.cluster_environment, self._process_group_backend,
-                                                self.root_device, self.options.timeout)
-        self._topology = F.build_mesh(self.options, self.world_size, self._ranks_per_node(), self.root_device.type)
+        self.connect_and_mesh(_log)
         if self.precision.precision == "16-mixed":  # a step that overflows on any rank's shard is skipped on all
             self.precision.scaler = sharded_scaler(self.precision.scaler, self.root_device.type)
-        _log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # -- modules and optimizers -------------------------------------------------------------------------------
     @override
@@ -265,15 +213,6 @@ class MiCSStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return steps.broadcast(obj, src)
 
     # -- state: [Note: Fabric checkpoints] in fabric_checkpoint.py --------------------------------------------
     @override

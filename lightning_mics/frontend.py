@@ -1,7 +1,8 @@
 """What both front ends need, below both: the Trainer strategy (``strategy.py``) and the Fabric strategy
 (``fabric.py``) are glue over these functions and the engine.
 
-- layout: the sharding degree checked against the world before any process or group, the device mesh built;
+- layout: the ranks, their devices and the mesh (``ProcessLayout``, mixed into both strategies), the sharding
+  degree checked against the world before any process or group;
 - engine construction: a module sharded (or its shards reused), optimizers moved onto the shards;
 - the plain<->sharded switches ([Note: optimizers follow the module]);
 - clipping by norm (reduced over the shard group: clip.py) and by value (elementwise: on the shards as they are);
@@ -44,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics import checkpoint_steps as steps
 from lightning_mics import topology as T
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSOptions, optimizer_state_only
@@ -54,6 +56,79 @@ ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDic
 
 
 # -- layout ---------------------------------------------------------------------------------------------------
+class ProcessLayout:
+    """The ranks, their devices and the mesh, as both strategies expose them: mixed in before Lightning's
+    ``ParallelStrategy`` (the Trainer's or Fabric's), whose launcher and connector read these. The front end sets
+    ``options``; ``connect_and_mesh`` (in its ``setup_environment``) makes the process group and the mesh."""
+
+    options: MiCSOptions
+    _num_nodes: int = 1
+    _process_group_backend: Optional[str] = None
+    _topology: Optional[Topology] = None
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("MiCSStrategy.topology exists once the process group is set up (Trainer: in and "
+                               "after LightningModule.setup / configure_model; Fabric: after fabric.launch()).")
+        return self._topology
+
+    @property
+    def device_mesh(self) -> Any:
+        """The DeviceMesh with axes ("replicate", "shard") or, with tensor_parallel_degree > 1,
+        ("replicate", "shard", "tp"): ``self.device_mesh["tp"]`` is what a ``configure_model`` parallelizes on
+        (as under Lightning's ModelParallelStrategy)."""
+        return self.topology.mesh
+
+    def _ranks_per_node(self) -> int:
+        return self.options.ranks_per_node or max(self.num_processes, 1)
+
+    def set_world_ranks(self) -> None:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only  # the Trainer's and utilities' too
+
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+
+    def connect_and_mesh(self, log: logging.Logger) -> Topology:
+        """This rank's place, the default process group and the mesh. Collective."""
+        self.set_world_ranks()
+        self._process_group_backend = connect(self.cluster_environment, self._process_group_backend,
+                                              self.root_device, self.options.timeout)
+        self._topology = build_mesh(self.options, self.world_size, self._ranks_per_node(), self.root_device.type)
+        log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
+        return self._topology
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return steps.broadcast(obj, src)
+
+
 def connect(cluster_environment: Any, backend: Optional[str], device: torch.device, timeout: float) -> str:
     """The default process group (gloo on CPU, NCCL on CUDA unless ``backend`` says otherwise), with the
     ``timeout`` option; returns the backend."""

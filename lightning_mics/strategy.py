@@ -17,23 +17,20 @@ from contextlib import contextmanager
 from typing import Any, Dict, Generator, List, Mapping, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_mics import checkpoint_steps as steps
 from lightning_mics import collectives as C
 from lightning_mics import frontend as F
 from lightning_mics import reliability
@@ -43,7 +40,6 @@ from lightning_mics.precision import to_mics_precision
 from lightning_mics.materialize import has_meta
 from lightning_mics.engine import MiCSEngine
 from lightning_mics.sharding import resolve_classes
-from lightning_mics.topology import Topology
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 _log = logging.getLogger("lightning.pytorch.strategies.mics")  # shown the way Lightning's own INFO lines are
@@ -64,7 +60,7 @@ class _MiCSModule(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class MiCSStrategy(ParallelStrategy):
+class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     """MiCS sharded data parallelism: model state sharded over s ranks, replicated r = world / s times.
 
     Options are those of :class:`lightning_mics.config.MiCSConfig` (SageMaker's ``sdp_*`` knobs).
@@ -97,8 +93,6 @@ class MiCSStrategy(ParallelStrategy):
                              f"{_START_METHODS}.")
         self._start_method = start_method
         self._process_group_backend = process_group_backend
-        self._num_nodes = 1
-        self._topology: Optional[Topology] = None
         self._engine: Optional[MiCSEngine] = None
         self._shard_size: Optional[int] = None
         self._step_hooks: List[Any] = []
@@ -115,27 +109,9 @@ class MiCSStrategy(ParallelStrategy):
 
     # -- layout -------------------------------------------------------------------------------------
     @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
     def is_distributed(self) -> bool:
         """Read by Lightning's connector: inserts a DistributedSampler over all W ranks."""
         return True
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
 
     @property
     @override
@@ -149,31 +125,10 @@ class MiCSStrategy(ParallelStrategy):
         return {"num_replicas": world, "rank": self.global_rank}
 
     @property
-    def device_mesh(self) -> Any:
-        """The DeviceMesh with axes ("replicate", "shard") or, with tensor_parallel_degree > 1,
-        ("replicate", "shard", "tp"): ``self.device_mesh["tp"]`` is what a ``configure_model`` parallelizes on
-        (as under Lightning's ModelParallelStrategy)."""
-        return self.topology.mesh
-
-    @property
-    def process_group_backend(self) -> Optional[str]:
-        return self._process_group_backend
-
-    @property
-    def topology(self) -> Topology:
-        if self._topology is None:
-            raise RuntimeError("MiCSStrategy.topology is available after the process group is set up "
-                               "(in or after LightningModule.setup / configure_model).")
-        return self._topology
-
-    @property
     def engine(self) -> MiCSEngine:
         if self._engine is None:
             raise RuntimeError("MiCSStrategy.engine exists once the strategy has set up the model.")
         return self._engine
-
-    def _ranks_per_node(self) -> int:
-        return self.options.ranks_per_node or max(self.num_processes, 1)
 
     def _validate_layout(self) -> int:
         world = self.num_nodes * self.num_processes
@@ -202,19 +157,9 @@ class MiCSStrategy(ParallelStrategy):
         super().setup_environment()
         self._validate_layout()
         reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = F.connect(self.cluster_environment, self._process_group_backend,
-                                                self.root_device, self.options.timeout)
-        self._topology = F.build_mesh(self.options, self.world_size, self._ranks_per_node(), self.root_device.type)
+        topology = self.connect_and_mesh(_log)
         if self.lightning_module is not None:
-            self.lightning_module._device_mesh = self._topology.mesh  # LightningModule.device_mesh
-        _log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+            self.lightning_module._device_mesh = topology.mesh  # LightningModule.device_mesh
 
     # -- model --------------------------------------------------------------------------------------
     @override
@@ -340,15 +285,6 @@ class MiCSStrategy(ParallelStrategy):
         return self.engine.model_state_bytes([F.unwrap(o) for o in self.optimizers])
 
     # -- collectives for the loops ------------------------------------------------------------------
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return steps.broadcast(obj, src)
-
     @override
     def reduce(self, tensor: Union[Tensor, Any], group: Optional[Any] = None,
                reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Tensor:
