@@ -67,12 +67,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     ap.add_argument("--out", default=None, help="folder for the results (default benchmarks/out/cluster/<time>)")
+    ap.add_argument("--sysctl", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="net.* settings in both hosts' namespaces, e.g. net.ipv4.tcp_slow_start_after_idle=0")
     ap.add_argument("--report", default=None, help="rebuild table and plot from this folder's runs.jsonl")
     args = ap.parse_args(argv)
     if args.warmup < 1:
         ap.error(f"--warmup must be >= 1 (a timed step is measured from the previous step's end), got {args.warmup}")
     if args.steps < 1 or args.rounds < 1 or min(args.accum) < 1 or min(args.rates) < 0:
         ap.error("--steps, --rounds and --accum must be >= 1 and --rates >= 0")
+    bad = [x for x in args.sysctl if not x.startswith("net.") or "=" not in x]
+    if bad:
+        ap.error(f"--sysctl {bad[0]!r}: allowed is net.<key>=<value> (set in the hosts' namespaces only)")
     return args
 
 
@@ -280,6 +285,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     port = 29600 + os.getpid() % 200
     with TwoHosts(f"cl{os.getpid() % 10000}") as hosts, open(out / "runs.jsonl", "a") as runs:
         (out / "namespaces.txt").write_text(" ".join(hosts.names) + "\n")
+        hosts.sysctl(args.sysctl)
         for rnd in range(args.rounds):
             for rate in args.rates:
                 hosts.shape(rate)

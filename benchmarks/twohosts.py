@@ -110,6 +110,17 @@ class TwoHosts:
                 raise RuntimeError(f"namespace {ns}: its veth end never showed in /proc/{holder.pid}/net/dev")
         return out[0], out[1]
 
+    def sysctl(self, settings: Sequence[str]) -> None:
+        """``key=value`` kernel settings in both namespaces (``net.*``: each namespace has its own, the machine's
+        are untouched), e.g. ``net.ipv4.tcp_slow_start_after_idle=0``."""
+        for setting in settings:
+            if not setting.startswith("net.") or "=" not in setting:
+                raise ValueError(f"sysctl {setting!r}: allowed is net.<key>=<value> (a namespace's own setting)")
+            for ns in self.names:
+                r = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", setting], capture_output=True, text=True)
+                if r.returncode:
+                    raise RuntimeError(f"sysctl {setting} in {ns}: {r.stderr.strip()}")
+
     def shape(self, rate_mbit: float) -> None:
         """Both ends' egress limited to ``rate_mbit`` with tbf; 0: no qdisc (the veth as it is)."""
         for ns in self.names:
