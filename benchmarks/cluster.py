@@ -75,9 +75,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--warmup must be >= 1 (a timed step is measured from the previous step's end), got {args.warmup}")
     if args.steps < 1 or args.rounds < 1 or min(args.accum) < 1 or min(args.rates) < 0:
         ap.error("--steps, --rounds and --accum must be >= 1 and --rates >= 0")
-    bad = [x for x in args.sysctl if not x.startswith("net.") or "=" not in x]
-    if bad:
-        ap.error(f"--sysctl {bad[0]!r}: allowed is net.<key>=<value> (set in the hosts' namespaces only)")
+    from twohosts import check_sysctl
+
+    try:
+        check_sysctl(args.sysctl)  # before any namespace is made
+    except ValueError as e:
+        ap.error(f"--{e}")
     return args
 
 

@@ -66,6 +66,13 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return r
 
 
+def check_sysctl(settings: Sequence[str]) -> None:
+    """Only ``net.<key>=<value>``: a setting each namespace holds for itself, so the machine's stay as they are."""
+    for setting in settings:
+        if not setting.startswith("net.") or "=" not in setting:
+            raise ValueError(f"sysctl {setting!r}: allowed is net.<key>=<value> (a namespace's own setting)")
+
+
 class TwoHosts:
     """``with TwoHosts(tag) as hosts:`` two namespaces ``<tag>a`` and ``<tag>b`` joined by a veth, deleted on exit."""
 
@@ -113,9 +120,8 @@ class TwoHosts:
     def sysctl(self, settings: Sequence[str]) -> None:
         """``key=value`` kernel settings in both namespaces (``net.*``: each namespace has its own, the machine's
         are untouched), e.g. ``net.ipv4.tcp_slow_start_after_idle=0``."""
+        check_sysctl(settings)
         for setting in settings:
-            if not setting.startswith("net.") or "=" not in setting:
-                raise ValueError(f"sysctl {setting!r}: allowed is net.<key>=<value> (a namespace's own setting)")
             for ns in self.names:
                 r = subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", setting], capture_output=True, text=True)
                 if r.returncode:

@@ -153,7 +153,10 @@ def test_bad_input_exits_naming_option_value_and_allowed(tmp_path, kind, options
         code = proc.wait(timeout=BOUND_S)
     except subprocess.TimeoutExpired:
         code = None
-        os.killpg(proc.pid, signal.SIGKILL) if kind != INIT else proc.kill()
+        if kind == INIT:
+            proc.kill()
+        else:
+            os.killpg(proc.pid, signal.SIGKILL)  # and what it started (its own session)
         proc.wait()
     output = log.read_text()
     assert code is not None, f"still running after {BOUND_S} s:\n{output[-4000:]}"

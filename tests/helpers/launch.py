@@ -48,7 +48,10 @@ def _context():
             multiprocessing.forkserver.ensure_running()
         finally:
             for k, v in saved.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         _forkserver = ctx
     return _forkserver
 
