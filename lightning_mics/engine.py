@@ -8,6 +8,7 @@ that drive them, [Note: one optimizer step]), ``full_state.py`` (full tensors fr
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -167,13 +168,16 @@ class MiCSEngine:
         if self.activations is not None:
             self.activations.remove()
 
-    def reset(self, keep_feedback: bool = False) -> None:
+    def reset(self, keep_feedback: bool = False, rows_wait_s: float = 0.0) -> None:
         """After an exception: every unit back to SHARDED locally, no collective (peers may be gone).
-        ``keep_feedback``: after a run that ended well, the error-feedback residuals stay for the next one."""
+        ``keep_feedback``: after a run that ended well, the error-feedback residuals stay for the next one.
+        ``rows_wait_s``: how long the optimizer rows in flight may still take to arrive ([Note: rows after a
+        failure] in optimizer_rows.py; 0: what has arrived is taken)."""
         self.grads.reset(keep_feedback)
         self.hooks.reset()
+        rows_deadline = time.monotonic() + rows_wait_s
         for unit in self.units:
-            unit.drop()
+            unit.drop(rows_deadline)
         for rp in self.replicated:
             rp.full.grad = None
 

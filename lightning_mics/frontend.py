@@ -310,6 +310,8 @@ def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.
     parallelism, or any after a failure (no collective: a peer may be gone) stays sharded with every unit
     released. Returns True when it stays sharded (the engine stays, for checkpoints and state dicts)."""
     if failed or not fits_whole(engine, options):
+        if not failed:
+            engine.quiesce()  # the last step's optimizer rows land ([Note: rows after a failure])
         engine.reset(keep_feedback=not failed)
         return True
     make_plain(engine, optimizers)

@@ -43,10 +43,22 @@ Per step and replica the link carries about n / 2 + n / 2 bytes (int8 both ways,
 all-reduce's 4 n: a quarter, as the quantized all-reduce. The residuals (the contribution's r x row elements in
 the reduction dtype, the delta's row in the master dtype) are carried by sharded checkpoints like the others
 ([Note: residuals in checkpoints] in feedback_state.py).
+
+[Note: rows after a failure]
+A run that ends leaves the last step's all-gather of rows in flight: no forward follows to settle it. Dropping it
+would leave this replica holding the other replicas' rows from before that step, and the next run (a second
+``fit`` in the same process, a state dict of a module left sharded) would start from parameters that differ
+across replicas. So:
+- a run that ends well settles every unit's rows (a wait: every rank issued the all-gather);
+- a failure on every rank alike ([Note: a lone failure] in reliability.py) keeps the groups, and each rank issued
+  the same all-gathers before it raised: each is waited for, bounded by the failure grace (ranks that fail at
+  different points may never match), and taken if it completed;
+- a lone failure destroys the groups: what has already arrived is taken, nothing is waited for.
 """
 
 from __future__ import annotations
 
+import time
 from typing import List, Optional, Sequence
 
 import torch
@@ -58,6 +70,8 @@ from lightning_mics import quantized as Q
 from lightning_mics.placement import ShardedParam
 from lightning_mics.telemetry import CommLog
 from lightning_mics.topology import Topology
+
+_POLL_S = 0.005
 
 
 class OptimizerRows:
@@ -187,10 +201,14 @@ class OptimizerRows:
                     else:
                         rows.copy_(got)
 
-    def drop(self) -> None:
-        """Local reset after a failure: no wait (a peer may be gone); rows that already arrived are taken. The
-        error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
-        if self._pending is not None and (self._pending.work is None or self._pending.work.is_completed()):
+    def drop(self, deadline: float = 0.0) -> None:
+        """Local reset after a failure, no collective issued: the rows' all-gather in flight is given until
+        ``deadline`` (``time.monotonic()``) to complete and is taken if it did, otherwise dropped ([Note: rows
+        after a failure]). The error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
+        work = self._pending.work if self._pending is not None else None
+        while work is not None and not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if self._pending is not None and (work is None or work.is_completed()):
             self.settle()
         self._pending = self._agreed = None
 

@@ -59,12 +59,15 @@ def every_rank_failed(grace: float = GRACE_S) -> bool:
     return count >= world
 
 
-def on_failure(grace: float = GRACE_S) -> bool:
-    """On an exception in ``fit``/``validate``/...: unless every rank failed alike, destroy every process group so
-    that the peers' collectives fail now rather than at ``timeout``. True if the groups were destroyed."""
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
-        return False
-    if every_rank_failed(grace):
+def on_failure(reset: Callable[[bool], None], grace: float = GRACE_S) -> bool:
+    """On an exception in ``fit``/``validate``/...: ``reset(alike)`` puts the engine back (``alike``: every rank
+    failed alike, so the groups stay and every rank issued the same collectives); then, unless alike, every
+    process group is destroyed so that the peers' collectives fail now rather than at ``timeout``. True if the
+    groups were destroyed."""
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    alike = not distributed or every_rank_failed(grace)
+    reset(alike)
+    if alike:
         return False
     T.release_all_groups()
     return True

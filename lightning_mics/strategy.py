@@ -372,9 +372,13 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # no collective from here on: a peer may be gone
-        if self._engine is not None:
-            self._engine.reset()
-        reliability.on_failure()  # [Note: a lone failure] in reliability.py
+        engine = self._engine
+
+        def reset(alike: bool) -> None:  # [Note: rows after a failure] in optimizer_rows.py
+            if engine is not None:
+                engine.reset(rows_wait_s=reliability.GRACE_S if alike else 0.0)
+
+        reliability.on_failure(reset)  # [Note: a lone failure] in reliability.py
 
     @classmethod
     @override

@@ -316,11 +316,12 @@ class Unit:
         if self.optimizer_rows is not None:
             self.optimizer_rows.settle()
 
-    def drop(self) -> None:
-        """Local reset after a failure: no collective, no wait (a peer may be gone)."""
+    def drop(self, rows_deadline: float = 0.0) -> None:
+        """Local reset after a failure: no collective, no wait (a peer may be gone) but for the optimizer rows in
+        flight, until ``rows_deadline`` ([Note: rows after a failure] in optimizer_rows.py)."""
         self._gather = None
         if self.optimizer_rows is not None:
-            self.optimizer_rows.drop()
+            self.optimizer_rows.drop(rows_deadline)
         for sp in self.params:
             sp.full.grad = None
         self._swap_sharded()

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -251,18 +252,32 @@ class Finetune(L.LightningModule):
         return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.2, momentum=0.9)
 
 
-class Boom(Base):
-    def training_step(self, batch, batch_idx):
+class LateReplica(Base):
+    """The ranks of the second half step ``late_step`` a second late: the first half's all-gather of its updated
+    optimizer rows (``mics_os``) is still in flight when those ranks go on, and stays so for that second."""
+    late_step = -1
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.global_step == self.late_step and self.global_rank >= self.trainer.world_size // 2:
+            time.sleep(1.0)
+
+
+class Boom(LateReplica):
+    """Fails on every rank right after its second optimizer step (Lightning's broadcast at the next batch's start
+    would line the ranks up again): the first half a second before the second, its rows of that step still in
+    flight (``mics_os``)."""
+    late_step = 1
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_step == 2:
             raise RuntimeError("boom at step 2")
-        return self.loss(batch)
 
 
 # -- running ---------------------------------------------------------------------------------------------------
-def strategy_for(kind):
+def strategy_for(kind, **options):
     if kind in ("mics", "mics_os"):  # mics_os: [Note: optimizer rows over replicas] (r = 2 on 4 ranks)
         return MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0,
-                            shard_optimizer_state=kind == "mics_os")
+                            shard_optimizer_state=kind == "mics_os", **options)
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
     return "auto"
@@ -275,7 +290,8 @@ def loader(ds, kind, world, rank, batch=BATCH):
 
 
 def trainer_for(kind, world, **kwargs):
-    base = dict(accelerator="cpu", devices=1 if kind == "single" else world, strategy=strategy_for(kind),
+    strategy = kwargs.pop("strategy", None) or strategy_for(kind)
+    base = dict(accelerator="cpu", devices=1 if kind == "single" else world, strategy=strategy,
                 logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 use_distributed_sampler=False, num_sanity_val_steps=0)
     base.update(kwargs)
@@ -334,6 +350,15 @@ def run_case(case, kind, world, rank, out):
         result["after_failure_plain"] = all(type(p) is nn.Parameter for p in m.parameters())
         m.__class__ = Base  # the user fixes the bug and fits again, in the same process
         trainer_for(kind, world, max_steps=4).fit(m, loader(ds, kind, world, rank))
+    elif case == "stays_sharded":  # larger than max_live_parameters: the module stays sharded after fit
+        m = LateReplica()
+        m.late_step = 2  # the last step: the first half's rows in flight as its fit ends
+        strategy = strategy_for(kind, max_live_parameters=3000) if kind.startswith("mics") else strategy_for(kind)
+        trainer = trainer_for(kind, world, max_steps=3, strategy=strategy)
+        trainer.fit(m, loader(classification_data(3 * world * BATCH), kind, world, rank))
+        result["stayed_sharded"] = any(type(p) is not nn.Parameter for p in m.parameters())
+        result["params"] = {n: p for n, p in trainer.strategy.lightning_module_state_dict().items()
+                            if n in dict(m.named_parameters())}
     elif case == "resume_bf16":
         ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
         m = BF16()
@@ -351,7 +376,7 @@ def run_case(case, kind, world, rank, out):
                                                                          ckpt_path=str(ckpt))
     else:
         raise ValueError(case)
-    result["params"] = params(m)
+    result.setdefault("params", params(m))
     result["param_types"] = sorted({type(p).__name__ for p in m.parameters()})
     return result
 
