@@ -32,7 +32,6 @@ visibly bad, a GradScaler skips it), so the residual is reset to 0 there rather 
 
 from __future__ import annotations
 
-import time
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch

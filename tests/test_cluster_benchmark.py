@@ -12,7 +12,6 @@ strategy's telemetry). Like tests/test_two_hosts.py it skips, saying why, only w
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 from pathlib import Path

@@ -55,7 +55,6 @@ def test_telemetry_bytes_agree_with_dispatch(tmp_path):
     accum = 2
     res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--steps", "2", "--accum", str(accum), "--count"],
                     tmp_path)
-    names = {"all_gather": "shard", "reduce_scatter": "shard"}
     for r in res:
         rank = r["rank"]
         groups = {"shard": SHARD[rank], "replicate": REPLICA[rank], "world": WORLD}

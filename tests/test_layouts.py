@@ -12,7 +12,6 @@ import math
 import pytest
 
 from tests.helpers.launch import REPO, run_ranks
-from tests.test_equivalence import _assert_matches
 
 SCRIPT = REPO / "tests" / "scripts" / "equiv.py"
 pytestmark = pytest.mark.distributed

@@ -349,7 +349,7 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
     lines = ["# Run report", "", *[f"- {line}" for line in summary[:2] + _how_it_ran(report)]]
     ms = report["model_state"]
     if val:
-        lines.append(f"- validation loss by step: " + ", ".join(f"{v:.3f} ({s})" for s, v in val))
+        lines.append("- validation loss by step: " + ", ".join(f"{v:.3f} ({s})" for s, v in val))
     lines += ["", "## Model state (parameters, gradients, optimizer state)", ""]
     unsharded = ms.get("unsharded")
     rows = list(enumerate(ms["per_rank"])) if ms.get("per_rank") else []

@@ -6,7 +6,6 @@ Also reports: model-state bytes vs the ideal, and per-step collective counts fro
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path

@@ -17,10 +17,8 @@ import json
 import os
 import sys
 import traceback
-from contextlib import nullcontext
 from copy import deepcopy
 from pathlib import Path
-from unittest.mock import patch
 
 import torch
 import torch.distributed as torch_distrib

@@ -10,8 +10,6 @@ the fp32 sum of r dequantized values ((r - 1) U sum A), the requantization's own
 
 import argparse
 import json
-import math
-import os
 import sys
 from pathlib import Path
 

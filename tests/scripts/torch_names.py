@@ -6,7 +6,6 @@ recorder, and the results and the names called go to result<rank>.json."""
 
 import argparse
 import json
-import os
 import sys
 import warnings
 from pathlib import Path

@@ -5,7 +5,6 @@ threads before the first fit, after each fit, and at exit, then one JSON line ``
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
