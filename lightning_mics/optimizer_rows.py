@@ -106,9 +106,9 @@ class OptimizerRows:
             return C.reduce_scatter_grads(chunks, self.group, self.r, dtype=accum.dtype, async_op=async_op,
                                           log=self.log, group_name="replicate", kernels=self.kernels,
                                           fewest_bytes=True)  # [Note: reduce-scatter on gloo] in collectives.py
-        send = torch.zeros(self.r, self.row, dtype=accum.dtype, device=accum.device)  # replica-major, padded
-        send[:, :self.offsets[-1]].copy_(triton_kernels.chunk_cat(chunks, self.r, dtype=accum.dtype,
-                                                                  backend=self.kernels))
+        send = triton_kernels.chunk_cat(chunks, self.r, dtype=accum.dtype, backend=self.kernels)  # replica-major
+        if self.row > self.offsets[-1]:  # each replica's row padded to a whole quantized chunk
+            send = torch.nn.functional.pad(send, (0, self.row - self.offsets[-1]))
         return Q.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
                                           residual=self._residual().contribution if self.deltas else None,
                                           log=self.log, group_name="replicate", kernels=self.kernels)

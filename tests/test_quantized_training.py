@@ -188,13 +188,15 @@ def test_optimizer_rows_over_replicas_in_int8_within_the_derived_bound(tmp_path)
     reduce-scatter in int8 (``True``; the rows' all-gather in fp32), and with error feedback the rows' change too.
     Each within the bound of the same option on the all-reduce (the reduce-scatter is its first half; the int8
     delta's residual is the requantized chunk's, scaled by the learning rate); every replica of a shard rank
-    holds the same bits; on the replica group an all-to-all and an all-gather, never an all-reduce."""
+    holds the same bits; on the replica group an all-to-all and an all-gather, never an all-reduce. The model is
+    nn.Linear(22, 11): each replica's rows (3 x 22 + 3 = 69 elements) are padded to a whole quantized chunk (72)."""
     OS = {"shard_optimizer_state": True}
     variants = []
     for accum in (1, 3):
         variants += [{"accum": accum}, {"accum": accum, **OS}, {"accum": accum, **OS, **QG},
                      {"accum": accum, **OS, **EF}]
-    res = run_ranks(EQUIV, 4, ["--s", "2", "--steps", "6", "--variants", json.dumps(variants)], tmp_path)
+    res = run_ranks(EQUIV, 4, ["--s", "2", "--steps", "6", "--in-features", "22", "--variants", json.dumps(variants)],
+                    tmp_path)
     _check_bounds(res, variants)
     for r in res:
         replica = (r["rank"] % 2, r["rank"] % 2 + 2)

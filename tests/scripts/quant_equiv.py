@@ -193,15 +193,18 @@ def run_variant(args, variant, world, rank, train):
 
 
 def main():
+    global D_IN
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--s", type=int, default=2)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--precision", default="32-true", help="the Trainer's precision for every variant")
+    ap.add_argument("--in-features", type=int, default=D_IN, help="the linear model's input width")
     ap.add_argument("--variants", required=True,
                     help="JSON list of strategy options, each with its 'accum' (accumulate_grad_batches)")
     args = ap.parse_args()
+    D_IN = args.in_features
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     variants = json.loads(args.variants)
     x, y = data(world, args.batch, args.steps, max(v["accum"] for v in variants))
