@@ -17,7 +17,9 @@ and waits up to ``GRACE_S`` for the counter to reach the world size. Every rank 
 within the grace (a lone failure), or the store is gone (its host died): destroy every process group, so each
 peer's pending collective fails at once, ends its own ``fit`` with an error and its process exits; the job ends
 with the failing rank's traceback in its output. Ranks that fail alike reach their exception within a step of
-each other (every unit's gather keeps them in lockstep), far below the grace.
+each other (every unit's gather keeps them in lockstep), far below the grace. The engine is put back after that
+answer and knowing it: after a failure alike it may still wait, bounded, for what every rank issued ([Note: rows
+after a failure] in optimizer_rows.py); after a lone one it waits for nothing.
 
 One case stays out of reach: the failing rank had an asynchronous collective in flight that no peer will ever
 match; destructing its group then waits for that collective. The engine's schedule issues the same collectives
