@@ -171,8 +171,8 @@ class MiCSEngine:
     def reset(self, keep_feedback: bool = False, rows_wait_s: float = 0.0) -> None:
         """After an exception: every unit back to SHARDED locally, no collective (peers may be gone).
         ``keep_feedback``: after a run that ended well, the error-feedback residuals stay for the next one.
-        ``rows_wait_s``: how long the optimizer rows in flight may still take to arrive ([Note: rows after a
-        failure] in optimizer_rows.py; 0: what has arrived is taken)."""
+        ``rows_wait_s``: how long the optimizer rows in flight may still take to arrive ([Note: rows when a
+        run ends] in optimizer_rows.py; 0: what has arrived is taken)."""
         self.grads.reset(keep_feedback)
         self.hooks.reset()
         rows_deadline = time.monotonic() + rows_wait_s

@@ -311,7 +311,7 @@ def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.
     released. Returns True when it stays sharded (the engine stays, for checkpoints and state dicts)."""
     if failed or not fits_whole(engine, options):
         if not failed:
-            engine.quiesce()  # the last step's optimizer rows land ([Note: rows after a failure])
+            engine.quiesce()  # the last step's optimizer rows land ([Note: rows when a run ends])
         engine.reset(keep_feedback=not failed)
         return True
     make_plain(engine, optimizers)

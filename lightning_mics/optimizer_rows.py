@@ -44,7 +44,7 @@ all-reduce's 4 n: a quarter, as the quantized all-reduce. The residuals (the con
 the reduction dtype, the delta's row in the master dtype) are carried by sharded checkpoints like the others
 ([Note: residuals in checkpoints] in feedback_state.py).
 
-[Note: rows after a failure]
+[Note: rows when a run ends]
 A run that ends leaves the last step's all-gather of rows in flight: no forward follows to settle it. Dropping it
 would leave this replica holding the other replicas' rows from before that step, and the next run (a second
 ``fit`` in the same process, a state dict of a module left sharded) would start from parameters that differ
@@ -204,7 +204,7 @@ class OptimizerRows:
     def drop(self, deadline: float = 0.0) -> None:
         """Local reset after a failure, no collective issued: the rows' all-gather in flight is given until
         ``deadline`` (``time.monotonic()``) to complete and is taken if it did, otherwise dropped ([Note: rows
-        after a failure]). The error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
+        when a run ends]). The error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
         work = self._pending.work if self._pending is not None else None
         while work is not None and not work.is_completed() and time.monotonic() < deadline:
             time.sleep(_POLL_S)

@@ -19,7 +19,7 @@ peer's pending collective fails at once, ends its own ``fit`` with an error and 
 with the failing rank's traceback in its output. Ranks that fail alike reach their exception within a step of
 each other (every unit's gather keeps them in lockstep), far below the grace. The engine is put back after that
 answer and knowing it: after a failure alike it may still wait, bounded, for what every rank issued ([Note: rows
-after a failure] in optimizer_rows.py); after a lone one it waits for nothing.
+when a run ends] in optimizer_rows.py); after a lone one it waits for nothing.
 
 One case stays out of reach: the failing rank had an asynchronous collective in flight that no peer will ever
 match; destructing its group then waits for that collective. The engine's schedule issues the same collectives

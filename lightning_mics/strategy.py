@@ -374,7 +374,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._failed = True  # no collective from here on: a peer may be gone
         engine = self._engine
 
-        def reset(alike: bool) -> None:  # [Note: rows after a failure] in optimizer_rows.py
+        def reset(alike: bool) -> None:  # [Note: rows when a run ends] in optimizer_rows.py
             if engine is not None:
                 engine.reset(rows_wait_s=reliability.GRACE_S if alike else 0.0)
 

@@ -318,7 +318,7 @@ class Unit:
 
     def drop(self, rows_deadline: float = 0.0) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone) but for the optimizer rows in
-        flight, until ``rows_deadline`` ([Note: rows after a failure] in optimizer_rows.py)."""
+        flight, until ``rows_deadline`` ([Note: rows when a run ends] in optimizer_rows.py)."""
         self._gather = None
         if self.optimizer_rows is not None:
             self.optimizer_rows.drop(rows_deadline)
