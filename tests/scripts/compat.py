@@ -357,8 +357,8 @@ def run_case(case, kind, world, rank, out):
         trainer = trainer_for(kind, world, max_steps=3, strategy=strategy)
         trainer.fit(m, loader(classification_data(3 * world * BATCH), kind, world, rank))
         result["stayed_sharded"] = any(type(p) is not nn.Parameter for p in m.parameters())
-        result["params"] = {n: p for n, p in trainer.strategy.lightning_module_state_dict().items()
-                            if n in dict(m.named_parameters())}
+        names = {n for n, _ in m.named_parameters()}
+        result["params"] = {n: p for n, p in trainer.strategy.lightning_module_state_dict().items() if n in names}
     elif case == "resume_bf16":
         ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
         m = BF16()
