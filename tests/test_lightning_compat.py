@@ -17,7 +17,7 @@ from tests.helpers.launch import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "scripts" / "compat.py"
 CASES = ["manual1", "manual_accum", "manual2", "calls_itself", "summary", "bf16", "fail_refit", "stays_sharded",
-         "resume_bf16"]
+         "stays_sharded_bf16", "resume_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,24 @@ def test_a_module_left_sharded_after_fit_equals_ddp(runs, kind, world):
     got, ref = load(runs, kind, world, "stays_sharded"), load(runs, "ddp", world, "stays_sharded")
     assert got["stayed_sharded"] and not ref["stayed_sharded"]
     assert_params_close(got["params"], ref["params"], 1e-6)
+    for r, replica in enumerate(got["replicas"]):
+        for name, p in got["params"].items():
+            assert torch.equal(replica[name], p), (r, name)
+
+
+@pytest.mark.parametrize("kind, world", MICS)
+def test_a_module_left_sharded_after_fit_under_bf16_holds_fp32_masters_alike_on_every_replica(runs, kind, world):
+    """The same under ``precision="bf16-mixed"``: the state dict holds the fp32 masters, bit for bit the same
+    gathered by every rank's shard group (a replica that dropped the other's last rows differs), and within the
+    bf16 bound of DDP's (``test_bf16_mixed_returns_fp32_masters``)."""
+    got, ref = load(runs, kind, world, "stays_sharded_bf16"), load(runs, "ddp", world, "stays_sharded_bf16")
+    assert got["stayed_sharded"] and not ref["stayed_sharded"]
+    for r, replica in enumerate(got["replicas"]):
+        assert sorted(replica) == sorted(got["params"]), r
+        for name, p in got["params"].items():
+            assert p.dtype == torch.float32 and torch.equal(replica[name], p), (r, name)
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
+    assert rel(flat(got["params"]), flat(ref["params"])) <= 1e-2
 
 
 def test_end_of_fit_and_saves_hold_no_more_than_one_unit(tmp_path):

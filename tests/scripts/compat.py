@@ -350,14 +350,21 @@ def run_case(case, kind, world, rank, out):
         result["after_failure_plain"] = all(type(p) is nn.Parameter for p in m.parameters())
         m.__class__ = Base  # the user fixes the bug and fits again, in the same process
         trainer_for(kind, world, max_steps=4).fit(m, loader(ds, kind, world, rank))
-    elif case == "stays_sharded":  # larger than max_live_parameters: the module stays sharded after fit
+    elif case in ("stays_sharded", "stays_sharded_bf16"):  # larger than max_live_parameters: stays sharded
         m = LateReplica()
         m.late_step = 2  # the last step: the first half's rows in flight as its fit ends
-        strategy = strategy_for(kind, max_live_parameters=3000) if kind.startswith("mics") else strategy_for(kind)
-        trainer = trainer_for(kind, world, max_steps=3, strategy=strategy)
+        mics = kind.startswith("mics")
+        strategy = strategy_for(kind, max_live_parameters=3000) if mics else strategy_for(kind)
+        precision = "bf16-mixed" if case.endswith("bf16") else "32-true"
+        trainer = trainer_for(kind, world, max_steps=3, strategy=strategy, precision=precision)
         trainer.fit(m, loader(classification_data(3 * world * BATCH), kind, world, rank))
         result["stayed_sharded"] = any(type(p) is not nn.Parameter for p in m.parameters())
         names = {n for n, _ in m.named_parameters()}
+        if mics:  # every rank's full state dict (each shard group's own gather): the replicas hold the same
+            full = trainer.strategy.engine.full_state_dict(dst=None)
+            every = [None] * world
+            torch.distributed.all_gather_object(every, {n: t for n, t in full.items() if n in names})
+            result["replicas"] = every
         result["params"] = {n: p for n, p in trainer.strategy.lightning_module_state_dict().items() if n in names}
     elif case == "resume_bf16":
         ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
