@@ -12,6 +12,14 @@ trainable parameter of the whole model (did this rank produce a gradient in the 
 backward, when every flag is known, before anything is waited for (``launch_rest``, then ``finish``); a
 parameter no rank produced a gradient for keeps ``grad=None``, as in one plain process. After the wait, each
 summed gradient is added to the DTensor parameter's ``.grad`` (set where it is None).
+
+[Note: flags without a wait]
+Reading a device tensor on the host waits for everything queued before it, and the host then has nothing queued
+for the device while it catches up: on one H100 (GPT-2 124M, ``benchmarks/single_gpu.py``) a read per bucket, and
+an upload of each bucket's flags from pageable memory, left the strategy at 0.50x of the bare loop's tokens/s.
+So: with one rank nothing is summed, the flags never leave the host; with more, each bucket's flags go up
+pinned and non-blocking, and ``finish`` reads every bucket's summed flags in one copy after the last wait: one
+wait per optimizer step, which the ``None`` of a gradient no rank produced needs (the host decides it).
 """
 
 from __future__ import annotations
@@ -31,9 +39,16 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 
 class _Launched(NamedTuple):
     params: List[ReplicatedParam]
-    buf: Tensor
-    n_flags: int  # flags at the end of buf: one per parameter of the bucket, then the extra ones
+    buf: Tensor  # the bucket's gradients; with world > 1 followed by its flags, summed in place
+    flags: Tensor  # this rank's flags (host): one per parameter of the bucket, then the extra ones
     work: Optional[dist.Work]
+
+
+def _upload(flags: Tensor, device: torch.device) -> Tensor:
+    """Host flags onto ``device`` without waiting for its stream (pinned, non-blocking on CUDA)."""
+    if device.type != "cuda":
+        return flags.to(device)
+    return flags.pin_memory().to(device, non_blocking=True)
 
 
 class ReplicatedReducer:
@@ -76,12 +91,14 @@ class ReplicatedReducer:
         flags = torch.tensor([rp.full.grad is not None for rp in bucket], dtype=torch.float32)
         if extra_flags is not None:
             flags = torch.cat([flags, extra_flags.float()])
-        buf = torch.cat(parts + [flags.to(self.device)])
         work = None
-        if self.world_size > 1:
+        if self.world_size > 1:  # the flags travel with the gradients ([Note: flags without a wait])
+            buf = torch.cat(parts + [_upload(flags, self.device)])
             buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
             work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
-        self._launched.append(_Launched(bucket, buf, flags.numel(), work))
+        else:
+            buf = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
+        self._launched.append(_Launched(bucket, buf, flags, work))
 
     def launch_rest(self, extra_flags: Tensor) -> None:
         """End of the boundary backward: launches what is left, the last bucket with ``extra_flags`` (async;
@@ -95,16 +112,20 @@ class ReplicatedReducer:
     def finish(self) -> Tensor:
         """Waits for every launched bucket, publishes the replicated gradients; returns the ``extra_flags`` of
         ``launch_rest`` summed over the world."""
-        extra = torch.zeros(0)
         for launched in self._launched:
             C.wait(launched.work, self.log)
-            buf, nf = launched.buf, launched.n_flags
-            flags = buf[buf.numel() - nf:].cpu()
+        if self.world_size > 1:  # the summed flags of every bucket in one read ([Note: flags without a wait])
+            n = [launched.flags.numel() for launched in self._launched]
+            summed = torch.cat([lb.buf[lb.buf.numel() - k:] for lb, k in zip(self._launched, n)]).cpu().split(n)
+        else:
+            summed = [launched.flags for launched in self._launched]
+        extra = torch.zeros(0)
+        for launched, flags in zip(self._launched, summed):
             offset = 0
             for k, rp in enumerate(launched.params):
                 n = rp.local.numel()
                 if flags[k] > 0:
-                    new = buf[offset:offset + n].view_as(rp.local).to(rp.local.dtype)
+                    new = launched.buf[offset:offset + n].view_as(rp.local).to(rp.local.dtype)
                     if rp.sharded.grad is None:
                         rp.sharded.grad = rp.wrap(new)
                     else:

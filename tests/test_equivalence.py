@@ -123,3 +123,13 @@ def test_engine_with_triton_kernels_matches(tmp_path):
     res = run_ranks(SCRIPT, 4, ["--model", "tied", "--s", "2", "--accum", "2", "--extra", '{"kernels": "triton"}'],
                     tmp_path, extra_env={"TRITON_INTERPRET": "1"})
     _assert_matches(res[0], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
+
+
+def test_one_rank_matches_single_process(tmp_path):
+    """world = s = r = 1, the layout of one GPU: nobody to sum with, so the replicated parameters' "got a
+    gradient" flags stay on the host ([Note: flags without a wait] in replicated.py); the tied model's frozen
+    and unused parameters must still end with no gradient, over an accumulation window, clipped."""
+    res = _run(tmp_path, "--model", "tied", "--s", "1", "--steps", "4", "--accum", "2", "--clip", "0.05",
+               "--bucket", "500", world=1)
+    _assert_matches(res[0], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
+    assert all(n > 0.05 for n in res[0]["ref_norms"]), "clipping was never active"
