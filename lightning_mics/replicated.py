@@ -17,9 +17,11 @@ summed gradient is added to the DTensor parameter's ``.grad`` (set where it is N
 Reading a device tensor on the host waits for everything queued before it, and the host then has nothing queued
 for the device while it catches up: on one H100 (GPT-2 124M, ``benchmarks/single_gpu.py``) a read per bucket, and
 an upload of each bucket's flags from pageable memory, left the strategy at 0.50x of the bare loop's tokens/s.
-So: with one rank nothing is summed, the flags never leave the host; with more, each bucket's flags go up
-pinned and non-blocking, and ``finish`` reads every bucket's summed flags in one copy after the last wait: one
-wait per optimizer step, which the ``None`` of a gradient no rank produced needs (the host decides it).
+So: with one rank nothing is summed, the flags never leave the host. With more, each bucket's flags go up pinned
+and non-blocking. A summed flag is at least this rank's own, so a rank that produced every gradient knows every
+answer (yes) and reads nothing; a rank that lacks one reads every bucket's summed flags in one copy after the last
+wait (the ``None`` of a gradient no rank produced is decided on the host). Ranks that answer from their own flags
+and ranks that read agree: where a flag is this rank's, the sum is positive on every rank.
 """
 
 from __future__ import annotations
@@ -114,11 +116,10 @@ class ReplicatedReducer:
         ``launch_rest`` summed over the world."""
         for launched in self._launched:
             C.wait(launched.work, self.log)
-        if self.world_size > 1:  # the summed flags of every bucket in one read ([Note: flags without a wait])
-            n = [launched.flags.numel() for launched in self._launched]
+        summed = [launched.flags for launched in self._launched]  # [Note: flags without a wait]
+        if self.world_size > 1 and not all(bool(f.all()) for f in summed):
+            n = [f.numel() for f in summed]  # a flag this rank lacks: every bucket's summed flags in one read
             summed = torch.cat([lb.buf[lb.buf.numel() - k:] for lb, k in zip(self._launched, n)]).cpu().split(n)
-        else:
-            summed = [launched.flags for launched in self._launched]
         extra = torch.zeros(0)
         for launched, flags in zip(self._launched, summed):
             offset = 0

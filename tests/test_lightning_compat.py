@@ -17,7 +17,7 @@ from tests.helpers.launch import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "scripts" / "compat.py"
 CASES = ["manual1", "manual_accum", "manual2", "calls_itself", "summary", "bf16", "fail_refit", "stays_sharded",
-         "stays_sharded_bf16", "resume_bf16"]
+         "stays_sharded_bf16", "resume_bf16", "some_ranks"]
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +128,15 @@ def test_backbone_finetuning_thaws_like_one_process(runs, world):
 @pytest.mark.parametrize("kind, world", MICS)
 def test_failed_fit_then_second_fit_equals_ddp(runs, kind, world):
     got, ref = load(runs, kind, world, "fail_refit"), load(runs, "ddp", world, "fail_refit")
+    assert_params_close(got["params"], ref["params"], 1e-6)
+
+
+@pytest.mark.parametrize("kind, world", MICS)
+def test_a_parameter_only_some_ranks_use_equals_ddp(runs, kind, world):
+    """Only the odd ranks' loss uses ``side``: the even ranks learn from the summed flags that it has a gradient,
+    the odd ranks from their own; every rank must step it as DDP (find_unused_parameters) does."""
+    got, ref = load(runs, kind, world, "some_ranks"), load(runs, "ddp", world, "some_ranks")
+    assert got["side_moved"] > 0 and ref["side_moved"] > 0
     assert_params_close(got["params"], ref["params"], 1e-6)
 
 

@@ -262,6 +262,23 @@ class LateReplica(Base):
             time.sleep(1.0)
 
 
+class SomeRanks(Base):
+    """A head that only the odd ranks' loss uses: on the even ranks it gets no gradient, so only the others' word
+    (the summed "got a gradient" flags) says it has one; the odd ranks know it from their own ([Note: flags
+    without a wait] in replicated.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.side = nn.Linear(D, C)
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if self.global_rank % 2:
+            idx, y = batch
+            loss = loss + F.cross_entropy(self.side(self.net.emb(idx).mean(1)), y)
+        return loss
+
+
 class Boom(LateReplica):
     """Fails on every rank right after its second optimizer step (Lightning's broadcast at the next batch's start
     would line the ranks up again): the first half a second before the second, its rows of that step still in
@@ -366,6 +383,11 @@ def run_case(case, kind, world, rank, out):
             torch.distributed.all_gather_object(every, {n: t for n, t in full.items() if n in names})
             result["replicas"] = every
         result["params"] = {n: p for n, p in trainer.strategy.lightning_module_state_dict().items() if n in names}
+    elif case == "some_ranks":
+        m = SomeRanks()
+        init = m.side.weight.detach().clone()
+        trainer_for(kind, world, max_steps=4).fit(m, loader(classification_data(4 * world * BATCH), kind, world, rank))
+        result["side_moved"] = (m.side.weight.detach() - init).abs().max().item()
     elif case == "resume_bf16":
         ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
         m = BF16()
