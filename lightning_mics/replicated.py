@@ -112,8 +112,9 @@ class ReplicatedReducer:
             self._launch(buckets[k], extra_flags if k == len(buckets) - 1 else None)
 
     def finish(self) -> Tensor:
-        """Waits for every launched bucket, publishes the replicated gradients; returns the ``extra_flags`` of
-        ``launch_rest`` summed over the world."""
+        """Waits for every launched bucket, publishes the replicated gradients; returns, for each of the
+        ``extra_flags`` of ``launch_rest``, a value > 0 where any rank set it (their sum over the world, or this
+        rank's own flags where it set every one)."""
         for launched in self._launched:
             C.wait(launched.work, self.log)
         summed = [launched.flags for launched in self._launched]  # [Note: flags without a wait]
