@@ -41,7 +41,7 @@ CONFIGS = {  # name: (n_layer, n_head, n_embd, vocab, block_size, batch)
     "small": (4, 4, 256, 8192, 512, 16),
     "tiny": (2, 2, 64, 256, 32, 4),
 }
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense, SXM
+PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense; the first name found
 
 
 def model_and_batches(config: str, steps: int, seed: int = 0):
@@ -63,7 +63,7 @@ def flops_per_token(model, config: str) -> float:
 
 
 def run_case(case: str, config: str, steps: int, warmup: int, accelerator: str) -> dict:
-    """One case in this process; returns its figures and a fingerprint of the trained parameters."""
+    """One case in this process; returns its figures and the file its trained parameters were saved to."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -177,17 +177,18 @@ def spawn(case: str, config: str, args) -> dict:
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def compare(res: dict, ref: dict) -> float | None:
-    """||p - p_bare|| / ||p_bare|| over the whole model (every parameter in one vector)."""
+def compare(res: dict, ref: dict, ref_sq: float) -> float | None:
+    """||p - p_bare|| / ||p_bare|| over the whole model (every parameter in one vector); ``ref``: the bare loop's
+    parameters, ``ref_sq``: their squared norm (both loaded and computed once per config)."""
     import torch
 
-    if "params_file" not in res or "params_file" not in ref:
+    if "params_file" not in res:
         return None
-    a, b = torch.load(res["params_file"]), torch.load(ref["params_file"])
-    if not b.keys() <= a.keys():  # (a state dict may also name a tied weight twice: lm_head.weight)
+    a = torch.load(res["params_file"])
+    if not ref.keys() <= a.keys():  # (a state dict may also name a tied weight twice: lm_head.weight)
         return float("inf")
-    diff = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in b)
-    return (diff / sum(float(b[n].double().pow(2).sum()) for n in b)) ** 0.5
+    diff = sum(float((a[n].double() - ref[n].double()).pow(2).sum()) for n in ref)
+    return (diff / ref_sq) ** 0.5
 
 
 def report(rows: list[dict], out: Path) -> str:
@@ -253,10 +254,15 @@ def run_all(cases: list[str], args) -> list[dict]:
             if best.get("mfu") is not None:
                 best["mfu"] = statistics.median(r["mfu"] for r in ok)
             rows.append(best)
-        ref = next((r for r in rows if r["config"] == config and r["case"] == "bare" and "error" not in r), None)
-        for r in rows:
-            if r["config"] == config and ref is not None:
-                r["vs_bare"] = compare(r, ref)
+        bare = next((r for r in rows if r["config"] == config and r["case"] == "bare" and "error" not in r), None)
+        if bare is not None:
+            import torch
+
+            ref = torch.load(bare["params_file"])
+            ref_sq = sum(float(t.double().pow(2).sum()) for t in ref.values())
+            for r in rows:
+                if r["config"] == config:
+                    r["vs_bare"] = compare(r, ref, ref_sq)
     return rows
 
 
