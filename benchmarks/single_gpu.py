@@ -3,16 +3,19 @@
     python benchmarks/single_gpu.py                                 # on a GPU: GPT-2 124M and a small GPT
     python benchmarks/single_gpu.py --configs tiny --steps 6 --warmup 2 --accelerator cpu   # a quick check
 
-At s = r = 1 MiCS has nobody to shard with, so anything it adds is overhead: the flat buffers it gathers into and
-releases, the copies in and out of them (Triton or torch, ``kernels``), its hooks, and Lightning's own loop. Cases,
-each in its own process (a fresh CUDA context and allocator), the same model, initial weights, batches and AdamW:
+At s = r = 1 MiCS has nobody to shard with, so anything it adds is overhead. With s = 1 every parameter stays whole
+(a replicated DTensor, placement.py), so no bucket is gathered or copied and ``kernels`` has nothing to choose
+between; what is left is DTensor parameters (the optimizer's foreach ops go through DTensor's dispatch, as they do
+under FSDP2), the engine's hooks, and Lightning's own loop. Cases, each in its own process (a fresh CUDA context
+and allocator), the same model, initial weights, batches and AdamW:
 
 - ``bare``: a plain PyTorch loop (``torch.autocast`` for the mixed precision, as Lightning's plugin does);
 - ``lightning``: ``Trainer(strategy="auto")`` (Lightning's single-device strategy);
 - ``ddp``: ``Trainer(strategy="ddp", devices=1)``;
 - ``fsdp``: ``Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}))`` (FSDP1, GPU only);
-- ``mics``: ``Trainer(strategy="mics")``, defaults (``kernels="auto"``: Triton on CUDA);
-- ``mics_torch``: the same with ``kernels="torch"``.
+- ``fsdp2``: ``Trainer(strategy=ModelParallelStrategy())`` with FSDP2's ``fully_shard`` on each Block and the root
+  in ``configure_model`` (Lightning's FSDP2 path; DTensor parameters, as MiCS's are);
+- ``mics``: ``Trainer(strategy="mics")``, defaults.
 
 Per case: time of the steps after ``--warmup`` (the device synchronized at both ends), tokens/s, model FLOPs
 utilization (6 N + 12 L T d FLOPs per token, PaLM's count with attention, against the device's dense bf16 peak),
@@ -35,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("bare", "lightning", "ddp", "fsdp", "mics", "mics_torch")
+CASES = ("bare", "lightning", "ddp", "fsdp", "fsdp2", "mics")
 CONFIGS = {  # name: (n_layer, n_head, n_embd, vocab, block_size, batch)
     "gpt2-124m": (12, 12, 768, 50257, 1024, 8),
     "small": (4, 4, 256, 8192, 512, 16),
@@ -130,22 +133,37 @@ def _lightning_case(case, model, tokens, warmup, accelerator, marks, sync):
             super().__init__()
             self.model = model
 
+        def configure_model(self):
+            if case == "fsdp2":  # FSDP2 as its docs apply it: each block, then the root; fp32 parameters under autocast
+                from torch.distributed.fsdp import fully_shard
+
+                from lightning_mics.app.models.gpt import Block
+
+                mesh = self.device_mesh["data_parallel"]
+                for block in [m for m in self.model.modules() if isinstance(m, Block)]:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
         def training_step(self, batch, batch_idx):
             return self.model.loss(batch[:, :-1], batch[:, 1:])
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=3e-4)
 
-    if case in ("mics", "mics_torch"):
+    if case == "mics":
         from lightning_mics import MiCSStrategy
 
-        strategy = MiCSStrategy(kernels="torch" if case == "mics_torch" else "auto")
+        strategy = MiCSStrategy()
     elif case == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 
         from lightning_mics.app.models.gpt import Block
 
         strategy = FSDPStrategy(auto_wrap_policy={Block})
+    elif case == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
     else:
         strategy = {"lightning": "auto", "ddp": "ddp"}[case]
     trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=strategy, precision="bf16-mixed",
@@ -158,6 +176,8 @@ def _lightning_case(case, model, tokens, warmup, accelerator, marks, sync):
     if case == "fsdp":
         state = trainer.strategy.lightning_module_state_dict()
         return {n.removeprefix("model."): t.detach().float().cpu() for n, t in state.items()}
+    if case == "fsdp2":  # one rank: each DTensor's full tensor is its local one
+        return {n: p.detach().full_tensor().float().cpu() for n, p in model.named_parameters()}
     return {n: p.detach().float().cpu() for n, p in model.named_parameters()}  # MiCS: gathered back after fit
 
 
