@@ -17,7 +17,8 @@ summed gradient is added to the DTensor parameter's ``.grad`` (set where it is N
 Reading a device tensor on the host waits for everything queued before it, and the host then has nothing queued
 for the device while it catches up: on one H100 (GPT-2 124M, ``benchmarks/single_gpu.py``) a read per bucket, and
 an upload of each bucket's flags from pageable memory, left the strategy at 0.50x of the bare loop's tokens/s.
-So: with one rank nothing is summed, the flags never leave the host. With more, each bucket's flags go up pinned
+So: with one rank nothing is summed, the flags never leave the host, and the gradients are not copied into a
+bucket either (each goes to its DTensor parameter as it is). With more, each bucket's flags go up pinned
 and non-blocking. A summed flag is at least this rank's own, so a rank that produced every gradient knows every
 answer (yes) and reads nothing; a rank that lacks one reads every bucket's summed flags in one copy after the last
 wait (the ``None`` of a gradient no rank produced is decided on the host). Ranks that answer from their own flags
@@ -41,7 +42,8 @@ DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 
 class _Launched(NamedTuple):
     params: List[ReplicatedParam]
-    buf: Tensor  # the bucket's gradients; with world > 1 followed by its flags, summed in place
+    grads: List[Tensor]  # one flat gradient per parameter: views into ``buf``, or (one rank) the gradients as they are
+    buf: Optional[Tensor]  # world > 1: the bucket's gradients followed by its flags, summed in place
     flags: Tensor  # this rank's flags (host): one per parameter of the bucket, then the extra ones
     work: Optional[dist.Work]
 
@@ -93,14 +95,13 @@ class ReplicatedReducer:
         flags = torch.tensor([rp.full.grad is not None for rp in bucket], dtype=torch.float32)
         if extra_flags is not None:
             flags = torch.cat([flags, extra_flags.float()])
-        work = None
+        work, buf, grads = None, None, parts
         if self.world_size > 1:  # the flags travel with the gradients ([Note: flags without a wait])
             buf = torch.cat(parts + [_upload(flags, self.device)])
             buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
             work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
-        else:
-            buf = torch.cat(parts) if parts else torch.zeros(0, device=self.device)
-        self._launched.append(_Launched(bucket, buf, flags, work))
+            grads = list(buf.split([p.numel() for p in parts] + [flags.numel()]))[:-1]
+        self._launched.append(_Launched(bucket, grads, buf, flags, work))
 
     def launch_rest(self, extra_flags: Tensor) -> None:
         """End of the boundary backward: launches what is left, the last bucket with ``extra_flags`` (async;
@@ -123,17 +124,14 @@ class ReplicatedReducer:
             summed = torch.cat([lb.buf[lb.buf.numel() - k:] for lb, k in zip(self._launched, n)]).cpu().split(n)
         extra = torch.zeros(0)
         for launched, flags in zip(self._launched, summed):
-            offset = 0
             for k, rp in enumerate(launched.params):
-                n = rp.local.numel()
                 if flags[k] > 0:
-                    new = launched.buf[offset:offset + n].view_as(rp.local).to(rp.local.dtype)
+                    new = launched.grads[k].view_as(rp.local).to(rp.local.dtype)
                     if rp.sharded.grad is None:
                         rp.sharded.grad = rp.wrap(new)
                     else:
                         local(rp.sharded.grad).add_(new)
                 rp.full.grad = None
-                offset += n
             extra = flags[len(launched.params):]
         self._buckets, self._ready, self._launched = None, set(), []
         return extra
