@@ -55,13 +55,15 @@ def initialize_weights(model: GPT, n_layer: int, n_embd: int) -> None:
             mod.proj.reset_parameters = partial(init_weights, mod.proj, std=(1 / math.sqrt(n_embd) / n_layer))
 
 
-def setup(fabric: L.Fabric, cfg: Config, lr: float = 4e-3) -> Dict[str, Any]:
+def setup(fabric: L.Fabric, cfg: Config, lr: float = 4e-3, fused: bool | None = None) -> Dict[str, Any]:
+    """``fused``: AdamW's fused implementation; by default litgpt's choice (on CUDA only)."""
     fabric.seed_everything(42)
     with fabric.init_module(empty_init=True):
         model = GPT(cfg)
     initialize_weights(model, n_layer=cfg.n_layer, n_embd=cfg.n_embd)
     model = fabric.setup(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95))
+    fused = fabric.device.type == "cuda" if fused is None else fused
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
     optimizer = fabric.setup_optimizers(optimizer)
     return {"model": model, "optimizer": optimizer, "iter_num": 0, "step_count": 0}
 

@@ -279,6 +279,16 @@ class SomeRanks(Base):
         return loss
 
 
+class AdamWImpl(Base):
+    """AdamW as GPU users run it: torch's default there is ``foreach`` (one kernel over a list of tensors), litgpt
+    asks for ``fused``; on CPU the default is the per-tensor loop, so these cases name the implementation. Over
+    MiCS's DTensor parameters each is a different DTensor op (``_foreach_*`` lists, ``_fused_adamw_``)."""
+    impl = "foreach"
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1, **{self.impl: True})
+
+
 class Boom(LateReplica):
     """Fails on every rank right after its second optimizer step (Lightning's broadcast at the next batch's start
     would line the ranks up again): the first half a second before the second, its rows of that step still in
@@ -388,6 +398,11 @@ def run_case(case, kind, world, rank, out):
         init = m.side.weight.detach().clone()
         trainer_for(kind, world, max_steps=4).fit(m, loader(classification_data(4 * world * BATCH), kind, world, rank))
         result["side_moved"] = (m.side.weight.detach() - init).abs().max().item()
+    elif case in ("adamw_foreach", "adamw_fused"):  # with accumulation and clipping by norm, as litgpt runs it
+        m = AdamWImpl()
+        m.impl = case.removeprefix("adamw_")
+        trainer_for(kind, world, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(
+            m, loader(classification_data(8 * world * BATCH), kind, world, rank))
     elif case == "resume_bf16":
         ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
         m = BF16()

@@ -1,6 +1,7 @@
 """One rank of the litgpt test: litgpt's ``GPT`` in litgpt's pretraining loop pattern under
 ``lightning_mics.fabric.MiCSStrategy`` (``examples/fabric_litgpt/pretrain.py``), against one plain process on
-the same global batches (rank 0). ``--cases s:accum ...``; one Fabric per case in the same processes."""
+the same global batches (rank 0). ``--cases s:accum[:fused] ...`` (``fused``: AdamW's fused implementation, as
+litgpt runs it on CUDA, in both runs); one Fabric per case in the same processes."""
 
 import argparse
 import importlib.util
@@ -27,12 +28,12 @@ spec.loader.exec_module(example)
 STEPS, MICRO = 3, 2
 
 
-def run(world, s, accum):
+def run(world, s, accum, fused):
     strategy = MiCSStrategy(sharded_data_parallel_degree=s, shard_units=[Block], param_persistence_threshold=0)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     cfg = example.config()
-    state = example.setup(fabric, cfg)
+    state = example.setup(fabric, cfg, fused=fused)
     model = state["model"]
     init = fabric.strategy.get_module_state_dict(model.module)
     g = torch.Generator().manual_seed(7)
@@ -45,7 +46,7 @@ def run(world, s, accum):
         return {"units": units}
     ref = GPT(cfg)
     ref.load_state_dict(init)
-    opt = torch.optim.AdamW(ref.parameters(), lr=4e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(ref.parameters(), lr=4e-3, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
     for it, batch in enumerate(data, start=1):
         loss = chunked_cross_entropy(ref(batch[:, :-1]), batch[:, 1:])
         (loss / accum).backward()
@@ -71,8 +72,8 @@ def main():
     args = ap.parse_args()
     results = {}
     for case in args.cases:
-        s, accum = map(int, case.split(":"))
-        results[case] = run(args.world, s, accum)
+        s, accum, *impl = case.split(":")
+        results[case] = run(args.world, int(s), int(accum), fused=impl == ["fused"])
     import torch.distributed as dist
     (Path(args.out) / f"result{dist.get_rank()}.json").write_text(json.dumps(results))
 
