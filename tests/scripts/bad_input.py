@@ -1,6 +1,6 @@
 """A user's script with one bad strategy option (tests/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
 
-    python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N]
+    python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N] [--fused-sgd]
 
 Started as ``python bad_input.py`` (Lightning's launcher would start rank 1) or under ``torchrun``. Most bad values
 are refused in ``MiCSStrategy.__init__`` or when the Trainer is made, before any process is launched; those that
@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--strategy", required=True, help="JSON of MiCSStrategy options")
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--fused-sgd", action="store_true", help="the module's SGD built with fused=True")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     try:
@@ -40,7 +41,10 @@ def main():
         trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=2, logger=False, plugins=plugins,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             strategy=MiCSStrategy(**json.loads(args.strategy)))
-        trainer.fit(Base(), DataLoader(classification_data(4 * BATCH), batch_size=BATCH))
+        module = Base()
+        if args.fused_sgd:
+            module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.2, fused=True)
+        trainer.fit(module, DataLoader(classification_data(4 * BATCH), batch_size=BATCH))
     except Exception as e:
         print(f"[rank {rank}] refused: {type(e).__name__}: {e}", flush=True)
         raise

@@ -45,11 +45,11 @@ def shard_values(model):
                       for p in model.parameters()])
 
 
-def case_overflow(world):
+def case_overflow(world, fused=False):
     fabric = new_fabric(world, init_scale=1024.0, growth_interval=2)  # the user's scaler settings must act
     torch.manual_seed(0)
     model = fabric.setup_module(Tiny())
-    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2))
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2, fused=fused or None))
     scaler = fabric.strategy.precision.scaler
     data = batches(1)
     changed, scales, nonfinite = [], [], False
@@ -110,7 +110,8 @@ def case_clip(world, max_norm=0.5):
     return res
 
 
-CASES = {"overflow": case_overflow, "clip": case_clip}
+CASES = {"overflow": case_overflow, "overflow_fused": lambda world: case_overflow(world, fused=True),
+         "clip": case_clip}
 
 
 def main():
