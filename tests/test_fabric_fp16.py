@@ -11,8 +11,8 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric_fp16")
-    return run_ranks(REPO / "tests" / "scripts" / "fabric_fp16.py", 4, ["--world", "4", "--cases", "overflow", "clip"],
-                     out)
+    cases = ["overflow", "overflow_fused", "clip"]
+    return run_ranks(REPO / "tests" / "scripts" / "fabric_fp16.py", 4, ["--world", "4", "--cases", *cases], out)
 
 
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(four):
@@ -24,6 +24,16 @@ def test_overflow_on_one_rank_skips_the_step_on_every_rank(four):
         assert o["scales"] == [1024.0, 512.0, 512.0, 1024.0], o
         assert not o["nonfinite"], o
     assert len({tuple(r["overflow"]["scales"]) for r in four}) == 1
+
+
+def test_overflow_on_one_rank_skips_the_step_on_every_rank_with_fused_adamw(four):
+    """Fused AdamW gets the scale and the inf flag from GradScaler.step (no unscale_ before it): the flag of rank
+    0's overflowing shard must reach every rank all the same."""
+    for r in four:
+        o = r["overflow_fused"]
+        assert o["changed"] == [True, False, True, True], o
+        assert o["scales"] == [1024.0, 512.0, 512.0, 1024.0], o
+        assert not o["nonfinite"], o
 
 
 def test_clip_by_norm_under_fp16_equals_one_plain_process(four):

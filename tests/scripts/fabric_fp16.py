@@ -3,7 +3,8 @@
 passed explicitly with a CPU GradScaler (as tests/scripts/fp16_overflow.py does for the Trainer).
 
 Cases: ``overflow`` (rank 0 alone multiplies its loss by 1e30 at step 1: every rank must skip that step and back
-the scale off identically), ``clip`` (fabric.clip_gradients by norm under 16-mixed; rank 0 compares with one plain
+the scale off identically), ``overflow_fused`` (the same with fused AdamW, which takes the scale and the inf flag
+into its kernel instead of an unscale first: the flag must still be every rank's), ``clip`` (fabric.clip_gradients by norm under 16-mixed; rank 0 compares with one plain
 process running the same autocast fp16 + GradScaler + clip_grad_norm_ on the same global batches, and with the
 plain fp32 process, the size of fp16 rounding itself).
 """
@@ -49,7 +50,8 @@ def case_overflow(world, fused=False):
     fabric = new_fabric(world, init_scale=1024.0, growth_interval=2)  # the user's scaler settings must act
     torch.manual_seed(0)
     model = fabric.setup_module(Tiny())
-    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2, fused=fused or None))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True) if fused
+                                  else torch.optim.SGD(model.parameters(), lr=0.2))
     scaler = fabric.strategy.precision.scaler
     data = batches(1)
     changed, scales, nonfinite = [], [], False
