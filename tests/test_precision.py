@@ -10,8 +10,10 @@ from tests.helpers.launch import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 
 
-def test_fp16_overflow_on_one_rank_skips_step_everywhere(tmp_path):
-    res = run_ranks(REPO / "tests" / "scripts" / "fp16_overflow.py", 4, [], tmp_path)
+@pytest.mark.parametrize("optimizer", ["sgd", "fused-adamw"])
+def test_fp16_overflow_on_one_rank_skips_step_everywhere(tmp_path, optimizer):
+    """Also with fused AdamW, which gets the scale and the inf flag from GradScaler.step (no unscale_ first)."""
+    res = run_ranks(REPO / "tests" / "scripts" / "fp16_overflow.py", 4, ["--optimizer", optimizer], tmp_path)
     for r in res:
         assert r["scaler"] == "ShardedGradScaler"
         assert r["changed"] == [True, False, True, True], r  # step 1 overflowed on rank 0 only

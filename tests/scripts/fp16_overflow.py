@@ -1,6 +1,8 @@
 """fp16 loss scaling under sharding: rank 0 alone blows its loss up at step 1 -> every rank skips that step.
 
 Checks reported per rank: the loss scale after each step, whether parameters changed at each step, NaNs.
+``--optimizer fused-adamw``: AdamW(fused=True), which GradScaler hands the scale and the inf flag instead of
+unscaling first (Lightning's plugin skips ``unscale_`` for it).
 """
 
 import argparse
@@ -37,7 +39,11 @@ class Module(L.LightningModule):
             loss = loss * 1e5  # scaled by 2**16 this overflows fp16 gradients on rank 0 only
         return loss
 
+    optimizer = "sgd"
+
     def configure_optimizers(self):
+        if self.optimizer == "fused-adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
@@ -69,6 +75,7 @@ class Watch(L.Callback):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "fused-adamw"))
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     g = torch.Generator().manual_seed(3)
@@ -82,7 +89,9 @@ def main():
                         plugins=[MixedPrecision("16-mixed", "cpu")], use_distributed_sampler=False,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[watch])
-    trainer.fit(Module(), dl)
+    module = Module()
+    module.optimizer = args.optimizer
+    trainer.fit(module, dl)
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps({
         "scales": watch.scales, "changed": watch.changed, "nan": watch.nan,
         "scaler": type(trainer.precision_plugin.scaler).__name__,
