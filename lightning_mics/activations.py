@@ -41,6 +41,12 @@ def _fail(option: str, value: Any, message: str) -> None:
 def plan_groups(root: nn.Module, names: Sequence, group_size: int) -> List[List[nn.Module]]:
     """Groups of ``group_size`` consecutive sibling instances of the named classes, in module order."""
     classes = resolve_classes(names, "activation_checkpointing")
+    compiled = [n for n, m in root.named_modules() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
+    if compiled:  # the replay calls the blocks eagerly: not the compiled graph whose saved tensors it must match
+        _fail("activation_checkpointing", list(names),
+              f"the model holds torch.compile'd modules ({', '.join(compiled[:3])}), and the checkpoint's replay "
+              "runs the blocks outside the compiled graph, so torch's recompute check fails; allowed: None (the "
+              "default) with a compiled model, or an uncompiled model")
     runs: List[List[nn.Module]] = []
     for parent in root.modules():
         run: List[nn.Module] = []

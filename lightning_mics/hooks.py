@@ -20,6 +20,14 @@ end of backward:        a callback on the autograd engine reduces what is left, 
 optimizer step:         the user's optimizer steps the DTensor shards ([Note: placement] in placement.py); a
                         post-step hook refreshes any unit that is still gathered (manual optimization steps inside
                         the root's forward) and drops stale prefetches (``Schedule.after_optimizer_step``).
+
+[Note: hooks under torch.compile]
+Dynamo would trace into the forward hooks (they wait on collectives, resize storages, swap module attributes and
+wrap inputs in an autograd Function) and fail there. They are ``torch.compiler.disable``d, as FSDP2 has dynamo
+skip its own hooks: a compiled model breaks its graph at each unit's entry and exit, runs the hook eagerly and
+compiles what lies between (tests/test_compile.py, against DDP compiled the same way). The backward hooks (tensor
+hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd engine, outside dynamo;
+compiled autograd is not tested.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ class Hooks:
 
     # -- forward ----------------------------------------------------------------------------------------
     def _make_pre_forward(self, unit: Unit) -> Callable:
+        @torch.compiler.disable  # [Note: hooks under torch.compile]
         def hook(module: nn.Module, args: Tuple, kwargs: Dict) -> Tuple[Tuple, Dict]:
             if in_backward():  # recomputation inside backward (activation checkpointing): gather if released
                 self.schedule.gather_for_recompute(unit)
@@ -96,6 +105,7 @@ class Hooks:
         return hook
 
     def _make_post_forward(self, unit: Unit) -> Callable:
+        @torch.compiler.disable
         def hook(module: nn.Module, args: Tuple, kwargs: Dict, output: Any) -> Any:
             if in_backward() or not unit.exit_forward():
                 return output

@@ -1,0 +1,110 @@
+"""One rank of tests/test_compile.py: ``torch.compile`` under MiCS against DDP compiled the same way.
+
+    python compiled.py --out DIR --front fabric|trainer --strategy mics|ddp
+
+``fabric``: the whole model compiled before ``fabric.setup`` (litgpt's pretraining pattern); ``trainer``: the
+LightningModule's network compiled in ``__init__`` (Lightning itself refuses ``trainer.fit(torch.compile(module))``
+for every strategy outside its own list, DDP's and FSDP1's among them, so a compiled submodule is how a Trainer
+user compiles under a sharded strategy, as with Lightning's ModelParallelStrategy). AdamW, accumulation 2,
+clipping by norm, 4 optimizer steps. Rank 0 writes the final parameters and dynamo's graph count after the first
+optimizer step and at the end: equal when swapping the gathered parameters in and out recompiles nothing.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics.fabric import MiCSStrategy as FabricMiCSStrategy  # noqa: E402
+from tests.scripts.compat import BATCH, Base, Net, classification_data  # noqa: E402
+
+STEPS, ACCUM = 4, 2
+
+
+def graphs() -> int:
+    return int(counters["stats"]["unique_graphs"])
+
+
+class Compiled(Base):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.compile(self.net)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class FirstStep(L.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 1 and not hasattr(self, "graphs"):
+            self.graphs = graphs()
+
+
+def run_trainer(kind, world, rank, data):
+    L.seed_everything(0, verbose=False)
+    module = Compiled()
+    strategy = MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0) if kind == "mics" \
+        else "ddp"
+    first = FirstStep()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
+                        accumulate_grad_batches=ACCUM, gradient_clip_val=0.5, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False, callbacks=[first])
+    trainer.fit(module, DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, world, rank,
+                                                                                        shuffle=False)))
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, first.graphs
+
+
+def run_fabric(kind, world, rank, data):
+    strategy = FabricMiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0) if kind == "mics" \
+        else "ddp"
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(0)
+    model = fabric.setup(torch.compile(Net()))
+    opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+    loader = DataLoader(data, batch_size=BATCH, sampler=DistributedSampler(data, world, rank, shuffle=False))
+    first = None
+    for it, (idx, y) in enumerate(loader, start=1):
+        accumulating = it % ACCUM != 0
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            fabric.backward(F.cross_entropy(model(idx), y) / ACCUM)
+        if not accumulating:
+            fabric.clip_gradients(model, opt, max_norm=0.5)
+            opt.step()
+            opt.zero_grad()
+            first = graphs() if first is None else first
+    module = model.module._orig_mod if hasattr(model.module, "_orig_mod") else model.module
+    state = fabric.strategy.get_module_state_dict(module) if kind == "mics" else module.state_dict()
+    return {n: t.detach().clone() for n, t in state.items()}, first
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--front", required=True, choices=("fabric", "trainer"))
+    ap.add_argument("--strategy", required=True, choices=("mics", "ddp"))
+    args = ap.parse_args()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    data = classification_data(STEPS * ACCUM * world * BATCH)
+    run = run_fabric if args.front == "fabric" else run_trainer
+    params, first = run(args.strategy, world, rank, data)
+    if rank == 0:
+        torch.save({"params": params, "graphs_first_step": first, "graphs_end": graphs()},
+                   Path(args.out) / "compiled.pt")
+    (Path(args.out) / f"result{rank}.json").write_text("{}")
+
+
+if __name__ == "__main__":
+    main()
