@@ -1,6 +1,6 @@
 """litgpt's ``GPT`` in litgpt's pretraining loop pattern (``examples/fabric_litgpt/pretrain.py``: meta init with
 litgpt's ``initialize_weights``, ``fabric.setup`` + ``setup_optimizers``, ``no_backward_sync`` while
-accumulating, ``clip_gradients``, AdamW, also fused as litgpt asks for it on CUDA) under ``lightning_mics.fabric.MiCSStrategy`` on 4 CPU ranks, against
+accumulating, ``clip_gradients``, AdamW; also fused AdamW and the model ``torch.compile``d, as litgpt runs it) under ``lightning_mics.fabric.MiCSStrategy`` on 4 CPU ranks, against
 one plain process on the same global batches. litgpt comes with the ``[dev]`` extra (without transformers)."""
 
 import pytest
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 
 
 def test_litgpt_pretrain_loop_equals_one_plain_process(tmp_path):
-    cases = ["2:4", "4:2", "2:2:fused"]  # (s, accumulation[, AdamW fused: litgpt's choice on CUDA])
+    cases = ["2:4", "4:2", "2:2:fused:compile"]  # s, accumulation[, fused AdamW and torch.compile, as litgpt runs]
     results = run_ranks(SCRIPT, 4, ["--world", "4", "--cases", *cases], tmp_path)
     for case in cases:
         r = results[0][case]

@@ -55,12 +55,16 @@ def initialize_weights(model: GPT, n_layer: int, n_embd: int) -> None:
             mod.proj.reset_parameters = partial(init_weights, mod.proj, std=(1 / math.sqrt(n_embd) / n_layer))
 
 
-def setup(fabric: L.Fabric, cfg: Config, lr: float = 4e-3, fused: bool | None = None) -> Dict[str, Any]:
-    """``fused``: AdamW's fused implementation; by default litgpt's choice (on CUDA only)."""
+def setup(fabric: L.Fabric, cfg: Config, lr: float = 4e-3, fused: bool | None = None,
+          compile: bool = True) -> Dict[str, Any]:
+    """``fused``: AdamW's fused implementation; by default litgpt's choice (on CUDA only). ``compile``:
+    ``torch.compile`` the model before ``fabric.setup``, as litgpt does."""
     fabric.seed_everything(42)
     with fabric.init_module(empty_init=True):
         model = GPT(cfg)
     initialize_weights(model, n_layer=cfg.n_layer, n_embd=cfg.n_embd)
+    if compile:
+        model = torch.compile(model)
     model = fabric.setup(model)
     fused = fabric.device.type == "cuda" if fused is None else fused
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
@@ -99,13 +103,14 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--save", type=Path, default=None, help="fabric.save the state here at the end")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (litgpt compiles the model)")
     args = ap.parse_args()
     strategy = MiCSStrategy(sharded_data_parallel_degree=args.sharded_degree, shard_units=[Block],
                             param_persistence_threshold=0)
     fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()
     cfg = config()
-    state = setup(fabric, cfg)
+    state = setup(fabric, cfg, compile=not args.no_compile)
     g = torch.Generator().manual_seed(1000 + fabric.global_rank)
     batches = torch.randint(0, cfg.vocab_size, (args.steps * args.accum, args.micro_batch, cfg.block_size + 1),
                             generator=g).to(fabric.device)

@@ -85,7 +85,7 @@ def run_fabric(kind, world, rank, data):
             opt.step()
             opt.zero_grad()
             first = graphs() if first is None else first
-    module = model.module._orig_mod if hasattr(model.module, "_orig_mod") else model.module
+    module = model.module  # the module as the user built it (Fabric compiled the one it runs)
     state = fabric.strategy.get_module_state_dict(module) if kind == "mics" else module.state_dict()
     return {n: t.detach().clone() for n, t in state.items()}, first
 

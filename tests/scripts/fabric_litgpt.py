@@ -1,7 +1,8 @@
 """One rank of the litgpt test: litgpt's ``GPT`` in litgpt's pretraining loop pattern under
 ``lightning_mics.fabric.MiCSStrategy`` (``examples/fabric_litgpt/pretrain.py``), against one plain process on
-the same global batches (rank 0). ``--cases s:accum[:fused] ...`` (``fused``: AdamW's fused implementation, as
-litgpt runs it on CUDA, in both runs); one Fabric per case in the same processes."""
+the same global batches (rank 0). ``--cases s:accum[:fused][:compile] ...`` (``fused``: AdamW's fused
+implementation, as litgpt runs it on CUDA, in both runs; ``compile``: the model ``torch.compile``d before
+``fabric.setup`` as litgpt does, the reference eager); one Fabric per case in the same processes."""
 
 import argparse
 import importlib.util
@@ -28,12 +29,12 @@ spec.loader.exec_module(example)
 STEPS, MICRO = 3, 2
 
 
-def run(world, s, accum, fused):
+def run(world, s, accum, fused, compile):
     strategy = MiCSStrategy(sharded_data_parallel_degree=s, shard_units=[Block], param_persistence_threshold=0)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     cfg = example.config()
-    state = example.setup(fabric, cfg, fused=fused)
+    state = example.setup(fabric, cfg, fused=fused, compile=compile)
     model = state["model"]
     init = fabric.strategy.get_module_state_dict(model.module)
     g = torch.Generator().manual_seed(7)
@@ -72,8 +73,8 @@ def main():
     args = ap.parse_args()
     results = {}
     for case in args.cases:
-        s, accum, *impl = case.split(":")
-        results[case] = run(args.world, int(s), int(accum), fused=impl == ["fused"])
+        s, accum, *flags = case.split(":")
+        results[case] = run(args.world, int(s), int(accum), fused="fused" in flags, compile="compile" in flags)
     import torch.distributed as dist
     (Path(args.out) / f"result{dist.get_rank()}.json").write_text(json.dumps(results))
 
