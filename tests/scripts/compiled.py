@@ -1,6 +1,6 @@
 """One rank of tests/test_compile.py: ``torch.compile`` under MiCS against DDP compiled the same way.
 
-    python compiled.py --out DIR --front fabric|trainer --strategy mics|ddp
+    python compiled.py --out DIR --front fabric|trainer --strategy mics|ddp [--options JSON]
 
 ``fabric``: the whole model compiled before ``fabric.setup`` (litgpt's pretraining pattern); ``trainer``: the
 LightningModule's network compiled in ``__init__`` (Lightning itself refuses ``trainer.fit(torch.compile(module))``
@@ -11,6 +11,7 @@ optimizer step and at the end: equal when swapping the gathered parameters in an
 """
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -51,11 +52,14 @@ class FirstStep(L.Callback):
             self.graphs = graphs()
 
 
-def run_trainer(kind, world, rank, data):
+def mics_options(extra):
+    return {"sharded_data_parallel_degree": 2, "param_persistence_threshold": 0, **extra}
+
+
+def run_trainer(kind, world, rank, data, extra):
     L.seed_everything(0, verbose=False)
     module = Compiled()
-    strategy = MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0) if kind == "mics" \
-        else "ddp"
+    strategy = MiCSStrategy(**mics_options(extra)) if kind == "mics" else "ddp"
     first = FirstStep()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
                         accumulate_grad_batches=ACCUM, gradient_clip_val=0.5, logger=False,
@@ -66,9 +70,8 @@ def run_trainer(kind, world, rank, data):
     return {n: p.detach().clone() for n, p in module.named_parameters()}, first.graphs
 
 
-def run_fabric(kind, world, rank, data):
-    strategy = FabricMiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0) if kind == "mics" \
-        else "ddp"
+def run_fabric(kind, world, rank, data, extra):
+    strategy = FabricMiCSStrategy(**mics_options(extra)) if kind == "mics" else "ddp"
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
@@ -95,11 +98,12 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--front", required=True, choices=("fabric", "trainer"))
     ap.add_argument("--strategy", required=True, choices=("mics", "ddp"))
+    ap.add_argument("--options", default="{}", help="JSON of further MiCSStrategy options")
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     data = classification_data(STEPS * ACCUM * world * BATCH)
     run = run_fabric if args.front == "fabric" else run_trainer
-    params, first = run(args.strategy, world, rank, data)
+    params, first = run(args.strategy, world, rank, data, json.loads(args.options))
     if rank == 0:
         torch.save({"params": params, "graphs_first_step": first, "graphs_end": graphs()},
                    Path(args.out) / "compiled.pt")
