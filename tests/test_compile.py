@@ -1,7 +1,7 @@
 """``torch.compile`` under MiCS (the engine's module hooks run outside the compiled graphs: [Note: hooks under
 torch.compile] in hooks.py): the whole model compiled before ``fabric.setup``, as litgpt's pretraining does, with
 the default schedule, prefetch 2 and keep-gathered, and a compiled submodule under the Trainer. Each against DDP
-compiled the same way, on 2 CPU ranks (s = 2)."""
+compiled the same way, on 2 CPU ranks (s = 2); under bf16-mixed too."""
 
 import json
 
@@ -18,9 +18,10 @@ def rel(a, b):
     return (a.float() - b.float()).norm().item() / max(b.float().norm().item(), 1e-12)
 
 
-def launch(tmp, front, kind, options):
+def launch(tmp, front, kind, options, precision="32-true"):
     tmp.mkdir(parents=True)
-    run_ranks(SCRIPT, 2, ["--front", front, "--strategy", kind, "--options", json.dumps(options)], tmp)
+    run_ranks(SCRIPT, 2, ["--front", front, "--strategy", kind, "--options", json.dumps(options),
+                          "--precision", precision], tmp)
     return torch.load(tmp / "compiled.pt", weights_only=False)
 
 
@@ -29,10 +30,10 @@ def ddp(tmp_path_factory):
     """DDP compiled the same way, per front end; launched once for the module."""
     runs = {}
 
-    def get(front):
-        if front not in runs:
-            runs[front] = launch(tmp_path_factory.mktemp("ddp") / front, front, "ddp", {})
-        return runs[front]
+    def get(front, precision="32-true"):
+        if (front, precision) not in runs:
+            runs[front, precision] = launch(tmp_path_factory.mktemp("ddp") / front, front, "ddp", {}, precision)
+        return runs[front, precision]
     return get
 
 
@@ -45,4 +46,21 @@ def test_compiled_model_equals_compiled_ddp(tmp_path, ddp, front, options):
     for name, want in ref["params"].items():  # measured: 1.6e-7 at most
         assert rel(got["params"][name], want) <= 1e-6, (name, rel(got["params"][name], want))
     # it was compiled (graphs exist), and nothing recompiled after the first optimizer step
+    assert got["graphs_first_step"] >= 1 and got["graphs_end"] == got["graphs_first_step"], got
+
+
+@pytest.mark.parametrize("front", ["fabric", "trainer"])
+def test_compiled_model_under_bf16_mixed_holds_fp32_masters(tmp_path, ddp, front):
+    """bf16-mixed: what the user gets back is the fp32 masters, not values rounded through bf16, and it trains as
+    DDP does up to the bf16 rounding (MiCS gathers bf16 parameters, DDP's autocast casts fp32 ones per op: the
+    same bounds as tests/test_lightning_compat.py's bf16 case)."""
+    got, ref = launch(tmp_path / "mics", front, "mics", {}, "bf16-mixed"), ddp(front, "bf16-mixed")
+    assert sorted(got["params"]) == sorted(ref["params"])
+    assert all(p.dtype == torch.float32 for p in got["params"].values())
+    values = torch.cat([p.reshape(-1) for p in got["params"].values()])
+    assert (values.view(torch.int32) & 0xFFFF == 0).float().mean().item() < 0.01  # not bf16-rounded values
+    flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])  # noqa: E731
+    assert rel(flat(got["params"]), flat(ref["params"])) <= 1e-2
+    for name, want in ref["params"].items():
+        assert rel(got["params"][name], want) <= 1e-1, (name, rel(got["params"][name], want))
     assert got["graphs_first_step"] >= 1 and got["graphs_end"] == got["graphs_first_step"], got

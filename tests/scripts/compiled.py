@@ -1,6 +1,6 @@
 """One rank of tests/test_compile.py: ``torch.compile`` under MiCS against DDP compiled the same way.
 
-    python compiled.py --out DIR --front fabric|trainer --strategy mics|ddp [--options JSON]
+    python compiled.py --out DIR --front fabric|trainer --strategy mics|ddp [--options JSON] [--precision P]
 
 ``fabric``: the whole model compiled before ``fabric.setup`` (litgpt's pretraining pattern); ``trainer``: the
 LightningModule's network compiled in ``__init__`` (Lightning itself refuses ``trainer.fit(torch.compile(module))``
@@ -56,12 +56,12 @@ def mics_options(extra):
     return {"sharded_data_parallel_degree": 2, "param_persistence_threshold": 0, **extra}
 
 
-def run_trainer(kind, world, rank, data, extra):
+def run_trainer(kind, world, rank, data, extra, precision):
     L.seed_everything(0, verbose=False)
     module = Compiled()
     strategy = MiCSStrategy(**mics_options(extra)) if kind == "mics" else "ddp"
     first = FirstStep()
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS,
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, precision=precision,
                         accumulate_grad_batches=ACCUM, gradient_clip_val=0.5, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=[first])
@@ -70,9 +70,9 @@ def run_trainer(kind, world, rank, data, extra):
     return {n: p.detach().clone() for n, p in module.named_parameters()}, first.graphs
 
 
-def run_fabric(kind, world, rank, data, extra):
+def run_fabric(kind, world, rank, data, extra, precision):
     strategy = FabricMiCSStrategy(**mics_options(extra)) if kind == "mics" else "ddp"
-    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
     fabric.launch()
     fabric.seed_everything(0)
     model = fabric.setup(torch.compile(Net()))
@@ -99,11 +99,12 @@ def main():
     ap.add_argument("--front", required=True, choices=("fabric", "trainer"))
     ap.add_argument("--strategy", required=True, choices=("mics", "ddp"))
     ap.add_argument("--options", default="{}", help="JSON of further MiCSStrategy options")
+    ap.add_argument("--precision", default="32-true")
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     data = classification_data(STEPS * ACCUM * world * BATCH)
     run = run_fabric if args.front == "fabric" else run_trainer
-    params, first = run(args.strategy, world, rank, data, json.loads(args.options))
+    params, first = run(args.strategy, world, rank, data, json.loads(args.options), args.precision)
     if rank == 0:
         torch.save({"params": params, "graphs_first_step": first, "graphs_end": graphs()},
                    Path(args.out) / "compiled.pt")

@@ -4,9 +4,10 @@ passed explicitly with a CPU GradScaler (as tests/scripts/fp16_overflow.py does 
 
 Cases: ``overflow`` (rank 0 alone multiplies its loss by 1e30 at step 1: every rank must skip that step and back
 the scale off identically), ``overflow_fused`` (the same with fused AdamW, which takes the scale and the inf flag
-into its kernel instead of an unscale first: the flag must still be every rank's), ``clip`` (fabric.clip_gradients by norm under 16-mixed; rank 0 compares with one plain
-process running the same autocast fp16 + GradScaler + clip_grad_norm_ on the same global batches, and with the
-plain fp32 process, the size of fp16 rounding itself).
+into its kernel instead of an unscale first: the flag must still be every rank's), ``clip``
+(fabric.clip_gradients by norm under 16-mixed; rank 0 compares with one plain process running the same autocast
+fp16 + GradScaler + clip_grad_norm_ on the same global batches, and with the plain fp32 process, the size of fp16
+rounding itself).
 """
 
 import argparse
