@@ -20,6 +20,16 @@ With ``activation_offload``, the checkpoint keeps a host copy of each segment's 
 moves them back, and the pre-backward hook of the group's last block starts that copy ahead, on the side
 stream, so it overlaps the backward of the blocks after it. On CPU the host copy is a plain copy: the same
 code path, no memory saved (the device is the host).
+
+[Note: checkpointing under torch.compile]
+A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
+the same tensors, in the same order, or torch's recompute check fails. So the replay runs under the compile the
+forward ran under: the first block's pre-hook, which dynamo runs (it breaks the graph there), records dynamo's
+frame callback (None when nothing is compiled), and the replay installs it, so each block's frames hit the
+graphs compiled in forward (dynamo's cache: nothing recompiles) and the same compiled code saves the same
+tensors. The rest of the hooks are ``torch.compiler.disable``d, as the engine's own ([Note: hooks under
+torch.compile] in hooks.py). Works for a model compiled whole (Fabric), a compiled submodule (Trainer) and
+blocks compiled one by one (tests/test_compile.py against compiled DDP).
 """
 
 from __future__ import annotations
@@ -33,6 +43,9 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop
 
 from lightning_mics.sharding import resolve_classes
 
+_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+_set_frame_callback = torch._C._dynamo.eval_frame.set_eval_frame
+
 
 def _fail(option: str, value: Any, message: str) -> None:
     raise ValueError(f"MiCSStrategy option {option}={value!r} is invalid: {message}.")
@@ -41,12 +54,6 @@ def _fail(option: str, value: Any, message: str) -> None:
 def plan_groups(root: nn.Module, names: Sequence, group_size: int) -> List[List[nn.Module]]:
     """Groups of ``group_size`` consecutive sibling instances of the named classes, in module order."""
     classes = resolve_classes(names, "activation_checkpointing")
-    compiled = [n for n, m in root.named_modules() if isinstance(m, torch._dynamo.eval_frame.OptimizedModule)]
-    if compiled:  # the replay calls the blocks eagerly: not the compiled graph whose saved tensors it must match
-        _fail("activation_checkpointing", list(names),
-              f"the model holds torch.compile'd modules ({', '.join(compiled[:3])}), and the checkpoint's replay "
-              "runs the blocks outside the compiled graph, so torch's recompute check fails; allowed: None (the "
-              "default) with a compiled model, or an uncompiled model")
     runs: List[List[nn.Module]] = []
     for parent in root.modules():
         run: List[nn.Module] = []
@@ -118,6 +125,7 @@ class _Segment:
         self.outputs: List[Any] = []
         self.gen = None
         self.host: List[_HostCopy] = []
+        self.callback: Any = None  # dynamo's frame callback while forward entered the segment (compiled), or None
 
 
 class ActivationCheckpointing:
@@ -141,7 +149,8 @@ class ActivationCheckpointing:
         return torch._C._current_graph_task_id() != -1
 
     def _pre(self, seg: _Segment, j: int):
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        @torch.compiler.disable  # [Note: checkpointing under torch.compile]
+        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._replaying() or not torch.is_grad_enabled():
                 return
             if j == 0:
@@ -155,9 +164,15 @@ class ActivationCheckpointing:
                     f"block, feeding each block the previous one's output; {type(module).__name__} (block {j} of "
                     f"its group) got another first input. Use checkpoint_group_size=1 for this model.")
             seg.calls.append((args, kwargs))
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if j == 0:  # the compile's frame callback when a compiled forward runs this, else None
+                seg.callback = _frame_callback()
+            enter(module, args, kwargs)
         return hook
 
     def _post(self, seg: _Segment, j: int):
+        @torch.compiler.disable
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if self._replaying() or seg.gen is None:
                 return
@@ -187,11 +202,18 @@ class ActivationCheckpointing:
                     self.log.offloaded(a.numel() * a.element_size())
         seg.host = [h for h in host if h is not None]
 
+        callback = seg.callback
+
         def replay(*inputs, **kw):
             inputs = tuple(h.restore(self.stream) if h is not None else x for h, x in zip(host, inputs))
-            out = blocks[0](*inputs, **kw)
-            for block, (a, k) in zip(blocks[1:], calls[1:]):
-                out = block(out, *a[1:], **k)
+            prior = _set_frame_callback(callback) if callback is not None else None
+            try:  # under the forward's compile, if any: the same compiled code saves the same tensors
+                out = blocks[0](*inputs, **kw)
+                for block, (a, k) in zip(blocks[1:], calls[1:]):
+                    out = block(out, *a[1:], **k)
+            finally:
+                if callback is not None:
+                    _set_frame_callback(prior)
             return out
 
         seg.gen = _checkpoint_without_reentrant_generator(

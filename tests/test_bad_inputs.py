@@ -99,9 +99,6 @@ CASES = [
      ["checkpoint_group_size=3", "allowed: 1..2"]),
     ("fused-sgd", SETUP, {}, ["--fused-sgd"],  # the user's optimizer: a fused kernel DTensor has no rule for
      ["SGD(fused=True) cannot step the sharded parameters", "aten._fused_sgd_", "Allowed: SGD(foreach=True)"]),
-    ("checkpointing-compiled-model", SETUP, {"activation_checkpointing": ["tests.scripts.compat.Block"]},
-     ["--compile-net"], ["activation_checkpointing=['tests.scripts.compat.Block']", "torch.compile'd modules (net)",
-                         "allowed: None (the default) with a compiled model"]),
     ("torchrun-degree-not-dividing-world", TORCHRUN, {"sharded_data_parallel_degree": 4}, [],
      ["sharded_data_parallel_degree=4", "allowed is a divisor of the world size 2: [1, 2]"]),
     ("torchrun-devices-not-world", TORCHRUN, {}, ["--devices", "4"],

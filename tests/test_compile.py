@@ -1,7 +1,9 @@
 """``torch.compile`` under MiCS (the engine's module hooks run outside the compiled graphs: [Note: hooks under
 torch.compile] in hooks.py): the whole model compiled before ``fabric.setup``, as litgpt's pretraining does, with
-the default schedule, prefetch 2 and keep-gathered, and a compiled submodule under the Trainer. Each against DDP
-compiled the same way, on 2 CPU ranks (s = 2); under bf16-mixed too."""
+the default schedule, prefetch 2 and keep-gathered, and under the Trainer a compiled submodule or each block
+compiled on its own (torchtitan's pattern). Each against DDP
+compiled the same way, on 2 CPU ranks (s = 2); under bf16-mixed too; with activation checkpointing ([Note:
+checkpointing under torch.compile] in activations.py)."""
 
 import json
 
@@ -38,8 +40,9 @@ def ddp(tmp_path_factory):
 
 
 @pytest.mark.parametrize("front, options", [("fabric", {}), ("fabric", {"prefetch": 2}),
-                                            ("fabric", {"reshard_after_forward": False}), ("trainer", {})],
-                         ids=["fabric", "fabric-prefetch2", "fabric-keep-gathered", "trainer"])
+                                            ("fabric", {"reshard_after_forward": False}), ("trainer", {}),
+                                            ("trainer-blocks", {})],
+                         ids=["fabric", "fabric-prefetch2", "fabric-keep-gathered", "trainer", "trainer-blocks"])
 def test_compiled_model_equals_compiled_ddp(tmp_path, ddp, front, options):
     got, ref = launch(tmp_path / "mics", front, "mics", options), ddp(front)
     assert sorted(got["params"]) == sorted(ref["params"])
@@ -63,4 +66,27 @@ def test_compiled_model_under_bf16_mixed_holds_fp32_masters(tmp_path, ddp, front
     assert rel(flat(got["params"]), flat(ref["params"])) <= 1e-2
     for name, want in ref["params"].items():
         assert rel(got["params"][name], want) <= 1e-1, (name, rel(got["params"][name], want))
+    assert got["graphs_first_step"] >= 1 and got["graphs_end"] == got["graphs_first_step"], got
+
+
+AC = {"activation_checkpointing": ["tests.scripts.compat.Block"]}
+
+
+@pytest.mark.parametrize("front, options", [("fabric", AC), ("fabric", {**AC, "checkpoint_group_size": 2,
+                                                                        "activation_offload": True}),
+                                            ("trainer", AC), ("trainer-blocks", AC)],
+                         ids=["fabric", "fabric-group2-offload", "trainer", "trainer-blocks"])
+def test_compiled_model_with_activation_checkpointing(tmp_path, ddp, front, options):
+    """The checkpoint's replay runs under the forward's compile, so it saves what the compiled forward saved
+    (eagerly, torch's recompute check fails). Each block is replayed once per micro-batch (2 blocks, 8
+    micro-batches), autograd keeps a fraction of what compiled DDP keeps (only the segments' inputs of the
+    blocks), nothing recompiles, and the parameters equal compiled DDP's."""
+    got, ref = launch(tmp_path / "mics", front, "mics", options), ddp(front)
+    assert got["replays"] == 16 and ref["replays"] == 0, (got["replays"], ref["replays"])
+    assert len(got["kept"]) == len(ref["kept"]) == 8
+    for kept, ref_kept in zip(got["kept"], ref["kept"]):  # measured: 8516 (group 1), 6596 (group 2) of 46660
+        assert kept < ref_kept / 4, (kept, ref_kept)
+    assert sorted(got["params"]) == sorted(ref["params"])
+    for name, want in ref["params"].items():  # measured: 1.6e-7 at most
+        assert rel(got["params"][name], want) <= 1e-6, (name, rel(got["params"][name], want))
     assert got["graphs_first_step"] >= 1 and got["graphs_end"] == got["graphs_first_step"], got

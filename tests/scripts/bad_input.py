@@ -1,7 +1,6 @@
 """A user's script with one bad strategy option (tests/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
 
     python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N] [--fused-sgd]
-                        [--compile-net]
 
 Started as ``python bad_input.py`` (Lightning's launcher would start rank 1) or under ``torchrun``. Most bad values
 are refused in ``MiCSStrategy.__init__`` or when the Trainer is made, before any process is launched; those that
@@ -35,7 +34,6 @@ def main():
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--fused-sgd", action="store_true", help="the module's SGD built with fused=True")
-    ap.add_argument("--compile-net", action="store_true", help="the module's network torch.compile'd")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     try:
@@ -44,8 +42,6 @@ def main():
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             strategy=MiCSStrategy(**json.loads(args.strategy)))
         module = Base()
-        if args.compile_net:
-            module.net = torch.compile(module.net)
         if args.fused_sgd:
             module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.2, fused=True)
         trainer.fit(module, DataLoader(classification_data(4 * BATCH), batch_size=BATCH))
