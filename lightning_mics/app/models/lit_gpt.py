@@ -4,7 +4,9 @@ It is the "unchanged LightningModule" of the design card: the same file trains u
 the model in ``__init__``, logs the training loss every step and the validation loss and perplexity
 (``torchmetrics.text.Perplexity``) synchronised over ranks, and optimises with AdamW (parameter groups by
 name: no weight decay for biases, LayerNorm and embedding weights) under a linear warmup followed by a cosine
-decay to ``min_lr_ratio * lr``.
+decay to ``min_lr_ratio * lr``. With ``compile=True`` each transformer block is ``torch.compile``d in place
+(``Block.compile()``, torchtitan's per-block compile: the parameter names, and so the checkpoints, stay those
+of the eager model; a strategy's module hooks stay outside the compiled graphs).
 """
 
 from __future__ import annotations
@@ -53,12 +55,16 @@ class LitGPT(L.LightningModule):
         weight_decay: float = 0.1,
         betas: Sequence[float] = (0.9, 0.95),
         warmup_steps: int = 20,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                                    n_embd=n_embd, dropout=dropout, bias=bias, tie_weights=tie_weights))
         self._no_decay = {f"model.{n}" for n in no_decay_names(self.model)}
+        if compile:
+            for block in self.model.h:
+                block.compile()
         self.val_ppl = Perplexity()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
