@@ -24,12 +24,13 @@ code path, no memory saved (the device is the host).
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
 the same tensors, in the same order, or torch's recompute check fails. So the replay runs under the compile the
-forward ran under: the first block's pre-hook, which dynamo runs (it breaks the graph there), records dynamo's
-frame callback (None when nothing is compiled), and the replay installs it, so each block's frames hit the
-graphs compiled in forward (dynamo's cache: nothing recompiles) and the same compiled code saves the same
-tensors. The rest of the hooks are ``torch.compiler.disable``d, as the engine's own ([Note: hooks under
-torch.compile] in hooks.py). Works for a model compiled whole (Fabric), a compiled submodule (Trainer) and
-blocks compiled one by one (tests/test_compile.py against compiled DDP).
+forward ran under: the first block's pre-hook records dynamo's frame callback (None when nothing is compiled)
+through a function dynamo skips without uninstalling the callback (``disable(recursive=False)``: a quiet graph
+break), and the replay installs that callback, so each block's frames hit the graphs compiled in forward
+(dynamo's cache: nothing recompiles) and the same compiled code saves the same tensors. The rest of the hooks
+are ``torch.compiler.disable``d, as the engine's own ([Note: hooks under torch.compile] in hooks.py). Works for
+a model compiled whole (Fabric), a compiled submodule and blocks compiled one by one (Trainer), each against
+compiled DDP in tests/test_compile.py; litgpt's GPT compiled under Fabric in tests/test_fabric_litgpt.py.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop
 
 from lightning_mics.sharding import resolve_classes
 
-_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _set_frame_callback = torch._C._dynamo.eval_frame.set_eval_frame
+
+
+@torch.compiler.disable(recursive=False)  # dynamo runs this frame as it is, its callback still installed
+def _frame_callback() -> Any:
+    """Dynamo's frame callback when a compiled forward calls this, else None ([Note: checkpointing under
+    torch.compile])."""
+    return torch._C._dynamo.eval_frame.get_eval_frame_callback()
 
 
 def _fail(option: str, value: Any, message: str) -> None:

@@ -1,6 +1,7 @@
 """litgpt's ``GPT`` in litgpt's pretraining loop pattern (``examples/fabric_litgpt/pretrain.py``: meta init with
 litgpt's ``initialize_weights``, ``fabric.setup`` + ``setup_optimizers``, ``no_backward_sync`` while
-accumulating, ``clip_gradients``, AdamW; also fused AdamW and the model ``torch.compile``d, as litgpt runs it) under ``lightning_mics.fabric.MiCSStrategy`` on 4 CPU ranks, against
+accumulating, ``clip_gradients``, AdamW; also fused AdamW and the model ``torch.compile``d, as litgpt runs it,
+and compiled with the Blocks activation-checkpointed) under ``lightning_mics.fabric.MiCSStrategy`` on 4 CPU ranks, against
 one plain process on the same global batches. litgpt comes with the ``[dev]`` extra (without transformers)."""
 
 import pytest
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.distributed
 
 
 def test_litgpt_pretrain_loop_equals_one_plain_process(tmp_path):
-    cases = ["2:4", "4:2", "2:2:fused:compile"]  # s, accumulation[, fused AdamW and torch.compile, as litgpt runs]
+    # s, accumulation[, fused AdamW and torch.compile, as litgpt runs][, activation checkpointing of the Blocks]
+    cases = ["2:4", "4:2", "2:2:fused:compile", "2:2:compile:ac"]
     results = run_ranks(SCRIPT, 4, ["--world", "4", "--cases", *cases], tmp_path)
     for case in cases:
         r = results[0][case]

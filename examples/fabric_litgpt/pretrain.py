@@ -104,9 +104,11 @@ def main() -> None:
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--save", type=Path, default=None, help="fabric.save the state here at the end")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (litgpt compiles the model)")
+    ap.add_argument("--activation-checkpointing", action="store_true", help="checkpoint litgpt's Blocks")
     args = ap.parse_args()
     strategy = MiCSStrategy(sharded_data_parallel_degree=args.sharded_degree, shard_units=[Block],
-                            param_persistence_threshold=0)
+                            param_persistence_threshold=0,
+                            activation_checkpointing=[Block] if args.activation_checkpointing else None)
     fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision)
     fabric.launch()
     cfg = config()

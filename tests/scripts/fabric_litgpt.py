@@ -1,8 +1,9 @@
 """One rank of the litgpt test: litgpt's ``GPT`` in litgpt's pretraining loop pattern under
 ``lightning_mics.fabric.MiCSStrategy`` (``examples/fabric_litgpt/pretrain.py``), against one plain process on
-the same global batches (rank 0). ``--cases s:accum[:fused][:compile] ...`` (``fused``: AdamW's fused
+the same global batches (rank 0). ``--cases s:accum[:fused][:compile][:ac] ...`` (``fused``: AdamW's fused
 implementation, as litgpt runs it on CUDA, in both runs; ``compile``: the model ``torch.compile``d before
-``fabric.setup`` as litgpt does, the reference eager); one Fabric per case in the same processes."""
+``fabric.setup`` as litgpt does, the reference eager; ``ac``: litgpt's Blocks activation-checkpointed); one
+Fabric per case in the same processes."""
 
 import argparse
 import importlib.util
@@ -29,8 +30,9 @@ spec.loader.exec_module(example)
 STEPS, MICRO = 3, 2
 
 
-def run(world, s, accum, fused, compile):
-    strategy = MiCSStrategy(sharded_data_parallel_degree=s, shard_units=[Block], param_persistence_threshold=0)
+def run(world, s, accum, fused, compile, ac):
+    strategy = MiCSStrategy(sharded_data_parallel_degree=s, shard_units=[Block], param_persistence_threshold=0,
+                            activation_checkpointing=[Block] if ac else None)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
     cfg = example.config()
@@ -74,7 +76,8 @@ def main():
     results = {}
     for case in args.cases:
         s, accum, *flags = case.split(":")
-        results[case] = run(args.world, int(s), int(accum), fused="fused" in flags, compile="compile" in flags)
+        results[case] = run(args.world, int(s), int(accum), fused="fused" in flags, compile="compile" in flags,
+                            ac="ac" in flags)
     import torch.distributed as dist
     (Path(args.out) / f"result{dist.get_rank()}.json").write_text(json.dumps(results))
 
