@@ -24,13 +24,16 @@ code path, no memory saved (the device is the host).
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
 the same tensors, in the same order, or torch's recompute check fails. So the replay runs under the compile the
-forward ran under: the first block's pre-hook records dynamo's frame callback (None when nothing is compiled)
+forward ran under: a pre-hook of the first block records dynamo's frame callback (None when nothing is compiled)
 through a function dynamo skips without uninstalling the callback (``disable(recursive=False)``: a quiet graph
 break), and the replay installs that callback, so each block's frames hit the graphs compiled in forward
-(dynamo's cache: nothing recompiles) and the same compiled code saves the same tensors. The rest of the hooks
-are ``torch.compiler.disable``d, as the engine's own ([Note: hooks under torch.compile] in hooks.py). Works for
-a model compiled whole (Fabric), a compiled submodule and blocks compiled one by one (Trainer), each against
-compiled DDP in tests/test_compile.py; litgpt's GPT compiled under Fabric in tests/test_fabric_litgpt.py.
+(dynamo's cache: nothing recompiles) and the same compiled code saves the same tensors. A block compiled on its
+own replays compiled anyway: in place (``block.compile()``) the capture is skipped, so its graph stays whole
+under ``fullgraph=True``; a ``torch.compile(block)`` wrapper is the group's block itself, its hooks outside the
+graph. The other hooks are registered ``torch.compiler.disable``d, as the engine's own ([Note: hooks under
+torch.compile] in hooks.py). Tested for a model compiled whole (Fabric), a compiled submodule and blocks compiled
+one by one, wrapped and in place (Trainer), each against compiled DDP (tests/test_compile.py), and litgpt's GPT
+compiled under Fabric (tests/test_fabric_litgpt.py).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch.nn as nn
 from torch import Tensor
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
-from lightning_mics.sharding import resolve_classes
+from lightning_mics.sharding import compiled_wrapper, resolve_classes, unwrapped
 
 _set_frame_callback = torch._C._dynamo.eval_frame.set_eval_frame
 
@@ -59,13 +62,14 @@ def _fail(option: str, value: Any, message: str) -> None:
 
 
 def plan_groups(root: nn.Module, names: Sequence, group_size: int) -> List[List[nn.Module]]:
-    """Groups of ``group_size`` consecutive sibling instances of the named classes, in module order."""
+    """Groups of ``group_size`` consecutive sibling instances of the named classes, in module order; an instance
+    compiled on its own is taken as its compiled wrapper (the hooks outside its graph, as for units)."""
     classes = resolve_classes(names, "activation_checkpointing")
     runs: List[List[nn.Module]] = []
     for parent in root.modules():
         run: List[nn.Module] = []
-        for child in parent.children():
-            if isinstance(child, classes) and not any(child is m for r in runs for m in r):
+        for child in ([] if compiled_wrapper(parent) else parent.children()):
+            if isinstance(unwrapped(child), classes) and not any(child is m for r in runs for m in r):
                 run.append(child)
             elif run:
                 runs.append(run)
@@ -148,6 +152,8 @@ class ActivationCheckpointing:
             for j, block in enumerate(blocks):
                 self._handles.append(block.register_forward_pre_hook(self._pre(seg, j), with_kwargs=True,
                                                                      prepend=True))
+                if j == 0:  # runs before the pre-hook above
+                    self._handles.append(block.register_forward_pre_hook(self._capture(seg), prepend=True))
                 self._handles.append(block.register_forward_hook(self._post(seg, j), with_kwargs=True,
                                                                  always_call=True))
 
@@ -155,9 +161,16 @@ class ActivationCheckpointing:
     def _replaying() -> bool:
         return torch._C._current_graph_task_id() != -1
 
+    @staticmethod
+    def _capture(seg: _Segment):
+        def hook(module: nn.Module, args: tuple) -> None:  # [Note: checkpointing under torch.compile]
+            if module._compiled_call_impl is None:  # (a block compiled itself replays compiled: nothing to do)
+                seg.callback = _frame_callback()
+        return hook
+
     def _pre(self, seg: _Segment, j: int):
         @torch.compiler.disable  # [Note: checkpointing under torch.compile]
-        def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self._replaying() or not torch.is_grad_enabled():
                 return
             if j == 0:
@@ -171,11 +184,6 @@ class ActivationCheckpointing:
                     f"block, feeding each block the previous one's output; {type(module).__name__} (block {j} of "
                     f"its group) got another first input. Use checkpoint_group_size=1 for this model.")
             seg.calls.append((args, kwargs))
-
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if j == 0:  # the compile's frame callback when a compiled forward runs this, else None
-                seg.callback = _frame_callback()
-            enter(module, args, kwargs)
         return hook
 
     def _post(self, seg: _Segment, j: int):

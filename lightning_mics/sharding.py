@@ -7,7 +7,9 @@ blocks); ``shard_units`` names module classes instead. The root (the LightningMo
 owns every parameter no other unit owns. Units may nest: a parameter belongs to the innermost unit that
 contains every module referencing it. So a weight tied between ``wte`` and ``lm_head`` lands in their
 common ancestor unit, and ``register_parameter(module, param)`` (the seed's case of a module using another
-module's weight in its forward) widens a parameter's owner to include ``module``.
+module's weight in its forward) widens a parameter's owner to include ``module``. A module of a named class
+that the user ``torch.compile``d on its own (torchtitan's per-block compile) is a unit through its compiled
+wrapper: the hooks sit outside the compiled graph, which stays whole (``fullgraph=True`` holds).
 
 A parameter stays whole on every rank ("replicated", never gathered, reduced once per optimizer step over
 the whole world) when it has fewer elements than ``param_persistence_threshold``, is 0-d or empty, or when
@@ -22,6 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Type
 
+import torch
 import torch.nn as nn
 
 _EXTRA_REFS = "_mics_extra_param_refs"
@@ -110,13 +113,24 @@ def resolve_classes(names: Optional[Sequence], option: str) -> Optional[Tuple[Ty
     return tuple(out)
 
 
+def compiled_wrapper(module: nn.Module) -> bool:
+    """A ``torch.compile(module)`` wrapper (an ``OptimizedModule``): it calls its ``_orig_mod`` compiled."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module a compiled wrapper holds, or the module itself."""
+    return module._orig_mod if compiled_wrapper(module) else module
+
+
 def _unit_paths(root: nn.Module, unit_classes: Optional[Tuple[type, ...]]) -> List[str]:
     paths = [""]
+    wrapped = {id(m._orig_mod) for m in root.modules() if compiled_wrapper(m)}
     for path, module in root.named_modules():
         if not path:
             continue
         if unit_classes is not None:
-            if isinstance(module, unit_classes):
+            if isinstance(unwrapped(module), unit_classes) and id(module) not in wrapped:
                 paths.append(path)
         elif isinstance(module, nn.ModuleList):
             paths.extend(f"{path}.{name}" for name, _ in module.named_children())

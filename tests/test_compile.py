@@ -1,7 +1,8 @@
 """``torch.compile`` under MiCS (the engine's module hooks run outside the compiled graphs: [Note: hooks under
 torch.compile] in hooks.py): the whole model compiled before ``fabric.setup``, as litgpt's pretraining does, with
 the default schedule, prefetch 2 and keep-gathered, and under the Trainer a compiled submodule or each block
-compiled on its own (torchtitan's pattern). Each against DDP
+compiled on its own with ``fullgraph=True`` (torchtitan's pattern: the hooks outside the blocks' graphs), wrapped
+or in place. Each against DDP
 compiled the same way, on 2 CPU ranks (s = 2); under bf16-mixed too; with activation checkpointing ([Note:
 checkpointing under torch.compile] in activations.py)."""
 
@@ -41,8 +42,9 @@ def ddp(tmp_path_factory):
 
 @pytest.mark.parametrize("front, options", [("fabric", {}), ("fabric", {"prefetch": 2}),
                                             ("fabric", {"reshard_after_forward": False}), ("trainer", {}),
-                                            ("trainer-blocks", {})],
-                         ids=["fabric", "fabric-prefetch2", "fabric-keep-gathered", "trainer", "trainer-blocks"])
+                                            ("trainer-blocks", {}), ("trainer-inplace", {})],
+                         ids=["fabric", "fabric-prefetch2", "fabric-keep-gathered", "trainer", "trainer-blocks",
+                              "trainer-inplace"])
 def test_compiled_model_equals_compiled_ddp(tmp_path, ddp, front, options):
     got, ref = launch(tmp_path / "mics", front, "mics", options), ddp(front)
     assert sorted(got["params"]) == sorted(ref["params"])
@@ -74,8 +76,12 @@ AC = {"activation_checkpointing": ["tests.scripts.compat.Block"]}
 
 @pytest.mark.parametrize("front, options", [("fabric", AC), ("fabric", {**AC, "checkpoint_group_size": 2,
                                                                         "activation_offload": True}),
-                                            ("trainer", AC), ("trainer-blocks", AC)],
-                         ids=["fabric", "fabric-group2-offload", "trainer", "trainer-blocks"])
+                                            ("trainer", AC),
+                                            ("trainer-blocks", {**AC, "checkpoint_group_size": 2,
+                                                                "shard_units": AC["activation_checkpointing"]}),
+                                            ("trainer-inplace", {**AC, "checkpoint_group_size": 2})],
+                         ids=["fabric", "fabric-group2-offload", "trainer", "trainer-blocks-units-group2",
+                              "trainer-inplace-group2"])
 def test_compiled_model_with_activation_checkpointing(tmp_path, ddp, front, options):
     """The checkpoint's replay runs under the forward's compile, so it saves what the compiled forward saved
     (eagerly, torch's recompute check fails). Each block is replayed once per micro-batch (2 blocks, 8

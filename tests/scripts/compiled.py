@@ -1,13 +1,14 @@
 """One rank of tests/test_compile.py: ``torch.compile`` under MiCS against DDP compiled the same way.
 
-    python compiled.py --out DIR --front fabric|trainer|trainer-blocks --strategy mics|ddp [--options JSON]
-                       [--precision P]
+    python compiled.py --out DIR --front fabric|trainer|trainer-blocks|trainer-inplace --strategy mics|ddp
+                       [--options JSON] [--precision P]
 
 ``fabric``: the whole model compiled before ``fabric.setup`` (litgpt's pretraining pattern); ``trainer``: the
 LightningModule's network compiled in ``__init__`` (Lightning itself refuses ``trainer.fit(torch.compile(module))``
 for every strategy outside its own list, DDP's and FSDP1's among them, so a compiled submodule is how a Trainer
 user compiles under a sharded strategy, as with Lightning's ModelParallelStrategy); ``trainer-blocks``: each block
-compiled on its own (torchtitan's pattern). AdamW, accumulation 2,
+compiled on its own with ``fullgraph=True`` (torchtitan's pattern), ``trainer-inplace``: the same in place
+(``block.compile(fullgraph=True)``: the parameter names stay the eager model's). AdamW, accumulation 2,
 clipping by norm, 4 optimizer steps. Rank 0 writes the final parameters and dynamo's graph count after the first
 optimizer step and at the end: equal when swapping the gathered parameters in and out recompiles nothing.
 """
@@ -63,13 +64,15 @@ class Probe:
 
 
 class Compiled(Base):
-    def __init__(self, per_block):
+    def __init__(self, front):
         super().__init__()
         self.probe = Probe(self.net.blocks)
-        if per_block:
-            for i, block in enumerate(self.net.blocks):
-                self.net.blocks[i] = torch.compile(block)
-        else:
+        for i, block in enumerate(self.net.blocks):  # per block, whole graphs (fullgraph), as torchtitan does
+            if front == "trainer-blocks":
+                self.net.blocks[i] = torch.compile(block, fullgraph=True)
+            elif front == "trainer-inplace":
+                block.compile(fullgraph=True)
+        if front == "trainer":
             self.net = torch.compile(self.net)
 
     def training_step(self, batch, batch_idx):
@@ -90,9 +93,9 @@ def mics_options(extra):
     return {"sharded_data_parallel_degree": 2, "param_persistence_threshold": 0, **extra}
 
 
-def run_trainer(kind, world, rank, data, extra, precision, per_block):
+def run_trainer(kind, world, rank, data, extra, precision, front):
     L.seed_everything(0, verbose=False)
-    module = Compiled(per_block)
+    module = Compiled(front)
     strategy = MiCSStrategy(**mics_options(extra)) if kind == "mics" else "ddp"
     first = FirstStep()
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=STEPS, precision=precision,
@@ -104,7 +107,7 @@ def run_trainer(kind, world, rank, data, extra, precision, per_block):
     return {n: p.detach().clone() for n, p in module.named_parameters()}, first.graphs, module.probe
 
 
-def run_fabric(kind, world, rank, data, extra, precision, per_block):
+def run_fabric(kind, world, rank, data, extra, precision, front):
     strategy = FabricMiCSStrategy(**mics_options(extra)) if kind == "mics" else "ddp"
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision=precision)
     fabric.launch()
@@ -134,7 +137,8 @@ def run_fabric(kind, world, rank, data, extra, precision, per_block):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--front", required=True, choices=("fabric", "trainer", "trainer-blocks"))
+    ap.add_argument("--front", required=True, choices=("fabric", "trainer", "trainer-blocks",
+                                                                 "trainer-inplace"))
     ap.add_argument("--strategy", required=True, choices=("mics", "ddp"))
     ap.add_argument("--options", default="{}", help="JSON of further MiCSStrategy options")
     ap.add_argument("--precision", default="32-true")
@@ -143,7 +147,7 @@ def main():
     data = classification_data(STEPS * ACCUM * world * BATCH)
     run = run_fabric if args.front == "fabric" else run_trainer
     params, first, probe = run(args.strategy, world, rank, data, json.loads(args.options), args.precision,
-                               args.front == "trainer-blocks")
+                               args.front)
     if rank == 0:
         torch.save({"params": params, "graphs_first_step": first, "graphs_end": graphs(), "kept": probe.kept,
                     "replays": probe.replays},
