@@ -20,7 +20,8 @@ pytestmark = pytest.mark.distributed
 
 EQUIV = ["equiv:2:2:sgd:norm:split", "equiv:4:4:adamw:value:joint", "equiv:2:4:adamw:norm:meta",
          "equiv:4:2:sgd:none:joint", "equiv:2:2:adamw:norm:split:bf16-mixed", "equiv:2:2:sgd:value:split:bf16-true",
-         "equiv:2:2:adamw:norm:split:32-true:os"]  # the optimizer's rows over the 2 replicas
+         "equiv:2:2:adamw:norm:split:32-true:os",  # the optimizer's rows over the 2 replicas
+         "equiv:2:2:sgd:torchnorm:split", "equiv:4:2:adamw:torchvalue:joint"]  # torch's clip_grad_*_ on DTensors
 FOUR = [*EQUIV, "count:2:4", "gan:2", "resume:2", "feedback:2", "feedback:2:bf16-mixed", "feedback_load:2:64",
         "feedback_rows:2"]
 

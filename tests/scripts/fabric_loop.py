@@ -3,7 +3,9 @@ usual Fabric loop (``no_backward_sync`` while accumulating, ``fabric.backward``,
 rank 0 trains the same model in one plain process on the same global batches and compares.
 
 Several cases run one after another in the same processes, each with its own Fabric (``--cases``); the result
-file holds one entry per case. Cases: ``equiv:<s>:<accum>:<opt>:<clip>:<setup>[:<precision>]`` (setup: joint =
+file holds one entry per case. Cases: ``equiv:<s>:<accum>:<opt>:<clip>:<setup>[:<precision>]`` (clip: none,
+norm / value = ``fabric.clip_gradients``, torchnorm / torchvalue = ``torch.nn.utils.clip_grad_norm_`` /
+``clip_grad_value_`` called by the user on the parameters, as under FSDP2; setup: joint =
 ``fabric.setup(model, opt)``, split = setup_module + setup_optimizers, meta = init_module(empty_init=True) +
 split), ``count:<s>:<accum>`` (collectives per step with and without no_backward_sync), ``gan:<s>``,
 ``quant:<s>:<accum>:<block>`` (the linear least-squares model of quant_equiv.py with and without
@@ -113,6 +115,10 @@ def fabric_steps(fabric, model, opt, data, clip, start, stop, nbs=True):
             fabric.clip_gradients(model, opt, max_norm=0.5)
         elif clip == "value":
             fabric.clip_gradients(model, opt, clip_val=0.01)
+        elif clip == "torchnorm":  # torch's own, on the DTensor gradients (as torchtitan clips under FSDP2)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        elif clip == "torchvalue":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
         opt.step()
         opt.zero_grad()
 
@@ -122,9 +128,9 @@ def plain_steps(model, opt, data, clip, start=0, stop=STEPS):
     for step in range(start, stop):
         for m in range(accum):
             (lm_loss(model, data[step, m]) / accum).backward()
-        if clip == "norm":
+        if clip in ("norm", "torchnorm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        elif clip == "value":
+        elif clip in ("value", "torchvalue"):
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
         opt.step()
         opt.zero_grad()
