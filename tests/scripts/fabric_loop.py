@@ -12,7 +12,7 @@ split), ``count:<s>:<accum>`` (collectives per step with and without no_backward
 ``quantize_gradients=True``, against its float64 reference and derived bound), ``resume:<s>`` (saves halfway into --out, then resumes from each checkpoint), ``load:<s>:<dir>`` (resumes
 another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused),
 ``feedback:<s>`` / ``feedback_load:<s>:<block>`` (``resume`` with error-feedback quantization; its
-checkpoint loaded with another block size).
+checkpoint loaded with another block size), ``torchsd:<s>`` (torch's distributed state-dict API and DCP).
 """
 
 import argparse
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as SD
 import torch.nn.functional as Fn
 
 torch.set_num_threads(1)
@@ -313,6 +315,36 @@ def case_resume(s, precision="32-true"):
     return out
 
 
+def case_torchsd(s):
+    """torch's distributed state-dict API on the strategy's model and optimizer, as torchtitan checkpoints FSDP2
+    (``torch.distributed.checkpoint.state_dict`` + ``dcp.save`` / ``dcp.load``): the full model state dict
+    against the strategy's own, and a save at step STEPS/2 loaded back after step STEPS, then trained on again
+    to STEPS, against the uninterrupted run."""
+    fabric = new_fabric(int(s))
+    model, opt, _ = setup(fabric, "split", "adamw")
+    data, half, path = batches(2), STEPS // 2, str(OUT / "torchsd")
+    fabric_steps(fabric, model, opt, data, "norm", 0, half)
+    full = SD.get_model_state_dict(model.module, options=SD.StateDictOptions(full_state_dict=True, cpu_offload=True))
+    mine = full_state(fabric, model)
+    dcp.save({"model": SD.get_model_state_dict(model.module),
+              "optim": SD.get_optimizer_state_dict(model.module, opt.optimizer)}, checkpoint_id=path)
+    fabric_steps(fabric, model, opt, data, "norm", half, STEPS)
+    straight = full_state(fabric, model)
+    state = {"model": SD.get_model_state_dict(model.module),
+             "optim": SD.get_optimizer_state_dict(model.module, opt.optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    SD.set_model_state_dict(model.module, state["model"])
+    SD.set_optimizer_state_dict(model.module, opt.optimizer, state["optim"])
+    fabric_steps(fabric, model, opt, data, "norm", half, STEPS)
+    resumed = full_state(fabric, model)
+    if fabric.global_rank != 0:
+        return {}
+    return {"full_keys": sorted(full) == sorted(mine), "full_max": max((full[k] - mine[k]).abs().max().item()
+                                                                         for k in mine),
+            "resumed_max": max((resumed[k] - straight[k]).abs().max().item() for k in straight),
+            "moved": max((resumed[k] - mine[k]).abs().max().item() for k in mine)}
+
+
 def case_load(s, src):
     """Resumes the checkpoints of a ``resume`` run (another layout) and compares with its uninterrupted run."""
     out = {}
@@ -511,7 +543,7 @@ def case_quant(s, accum, block, layout=""):
 
 CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
          "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback, "feedback_load": case_feedback_load,
-         "feedback_rows": case_feedback_rows}
+         "feedback_rows": case_feedback_rows, "torchsd": case_torchsd}
 
 
 def main():
