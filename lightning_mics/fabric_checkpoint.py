@@ -53,20 +53,42 @@ def _owner(optimizer: Optimizer, modules: Dict[str, nn.Module]) -> Tuple[nn.Modu
                      "state: allowed are optimizers set up with fabric.setup / setup_optimizers.")
 
 
+def _check_filter(filter: Dict[str, Any], modules: Dict[str, nn.Module], meta: Dict[str, Any]) -> None:
+    """Before any collective: a filter names modules or dict entries of the state, each with a callable."""
+    allowed = [*modules, *(k for k, v in meta.items() if isinstance(v, dict))]
+    for key, fn in filter.items():
+        if key not in allowed or not callable(fn):
+            raise ValueError(f"MiCSStrategy: fabric.save(filter={{{key!r}: {fn!r}}}) is invalid: allowed are keys "
+                             f"of the state's modules and dicts {allowed}, each with a callable (name, value) -> "
+                             "bool (an optimizer's state is saved whole).")
+
+
+def _kept(fn: Any, entries: Dict[str, Any], decide: bool = True) -> Dict[str, Any]:
+    """Lightning's filter: the entries for which ``fn(name, value)`` is true (``decide``: this rank calls it)."""
+    return {k: v for k, v in entries.items() if fn(k, v)} if decide else entries
+
+
 def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: Optional[Any],
          filter: Optional[Dict[str, Any]]) -> None:
-    if filter is not None:
-        raise ValueError(f"MiCSStrategy: fabric.save(filter={filter!r}) is invalid: allowed is None (the whole "
-                         "state of every module and optimizer is saved).")
-    path, token = steps.path_and_token(path)
+    """``fabric.save``; ``filter`` ({key: fn(name, value) -> bool}, Lightning's) keeps the entries of a module's
+    state dict (or of a dict in the state) it is true for: with the sharded format it is called on rank 0 with the
+    parameters' DTensors and every rank writes the names rank 0 keeps; with the full format, on rank 0 with the
+    gathered tensors. A filtered checkpoint loads with ``fabric.load(..., strict=False)``."""
+    filter = filter or {}
     modules, optimizers, rest = _split(state)
+    meta = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in rest.items()}
+    _check_filter(filter, modules, meta)
+    path, token = steps.path_and_token(path)
     owners = {k: _owner(o, modules) for k, o in optimizers.items()}
     info = {"modules": list(modules), "optimizers": list(optimizers)}
-    meta = {k: v.state_dict() if isinstance(v, _Stateful) else v for k, v in rest.items()}
+    meta = {k: _kept(filter[k], v) if k in filter else v for k, v in meta.items()}
     with torch.inference_mode(False):
         if strategy.options.state_dict_type == "sharded":
             steps.refuse_remote_sharded(path, storage_options)
             tensors = {k: ckpt.model_state(m, ENGINES.get(m)) for k, m in modules.items()}
+            for k in [k for k in tensors if k in filter]:  # every rank writes the names rank 0's filter keeps
+                names = steps.broadcast(list(_kept(filter[k], tensors[k], strategy.is_global_zero)))
+                tensors[k] = {n: tensors[k][n] for n in names}
             tensors.update({k: ckpt.optimizer_state_by_name(owners[k][0], o, owners[k][1])
                             for k, o in optimizers.items()})
             engines = {k: ENGINES.get(m) for k, m in modules.items()}  # [Note: residuals in checkpoints]
@@ -79,6 +101,8 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
         for k, m in modules.items():
             engine = ENGINES.get(m)
             meta[k] = engine.full_state_dict(dst=0) if engine is not None else m.state_dict()
+            if k in filter:
+                meta[k] = _kept(filter[k], meta[k], strategy.is_global_zero)
         for k, o in optimizers.items():
             engine = owners[k][1]
             meta[k] = ckpt.full_optimizer_state(engine, o, dst=0) if engine is not None else o.state_dict()

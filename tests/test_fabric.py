@@ -23,7 +23,7 @@ EQUIV = ["equiv:2:2:sgd:norm:split", "equiv:4:4:adamw:value:joint", "equiv:2:4:a
          "equiv:2:2:adamw:norm:split:32-true:os",  # the optimizer's rows over the 2 replicas
          "equiv:2:2:sgd:torchnorm:split", "equiv:4:2:adamw:torchvalue:joint"]  # torch's clip_grad_*_ on DTensors
 FOUR = [*EQUIV, "count:2:4", "gan:2", "resume:2", "feedback:2", "feedback:2:bf16-mixed", "feedback_load:2:64",
-        "feedback_rows:2", "torchsd:2"]
+        "feedback_rows:2", "torchsd:2", "filter:2:sharded", "filter:2:full"]
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +194,21 @@ def test_torch_distributed_state_dict_api(four):
     r = results[0]["torchsd:2"]
     assert r["full_keys"] and r["full_max"] == 0.0, r
     assert r["moved"] > 1e-3 and r["resumed_max"] == 0.0, r
+
+
+@pytest.mark.parametrize("fmt", ["sharded", "full"])
+def test_save_with_filter_as_litgpt_saves_lora_weights(four, fmt):
+    """``fabric.save(path, state, filter={"model": fn, "info": fn})`` keeps only the entries the filters accept,
+    in both formats; ``fabric.load(..., strict=False)`` into a fresh model restores exactly those and leaves the
+    rest as they were; ``strict=True`` names the missing ones; a filter on an optimizer is refused on every rank
+    before any collective."""
+    _, results = four
+    r0 = results[0][f"filter:2:{fmt}"]
+    assert r0["saved"] == r0["kept"] == ["blocks.0.down.bias", "blocks.0.down.weight", "blocks.0.up.bias",
+                                         "blocks.0.up.weight"], r0
+    assert r0["differs"] > 1e-3 and r0["from_ckpt"] == 0.0 and r0["untouched"] == 0.0, r0
+    for r in results:
+        r = r[f"filter:2:{fmt}"]
+        assert r["info"] == {"a": 1}, r
+        assert "missing ['emb.weight'" in r["strict_error"], r
+        assert "fabric.save(filter={'optimizer'" in r["bad_error"] and "allowed are keys" in r["bad_error"], r

@@ -12,7 +12,8 @@ split), ``count:<s>:<accum>`` (collectives per step with and without no_backward
 ``quantize_gradients=True``, against its float64 reference and derived bound), ``resume:<s>`` (saves halfway into --out, then resumes from each checkpoint), ``load:<s>:<dir>`` (resumes
 another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused),
 ``feedback:<s>`` / ``feedback_load:<s>:<block>`` (``resume`` with error-feedback quantization; its
-checkpoint loaded with another block size), ``torchsd:<s>`` (torch's distributed state-dict API and DCP).
+checkpoint loaded with another block size), ``torchsd:<s>`` (torch's distributed state-dict API and DCP),
+``filter:<s>:<sharded|full>`` (``fabric.save(..., filter=...)``).
 """
 
 import argparse
@@ -345,6 +346,44 @@ def case_torchsd(s):
             "moved": max((resumed[k] - mine[k]).abs().max().item() for k in mine)}
 
 
+def case_filter(s, fmt):
+    """``fabric.save(path, state, filter=...)`` as litgpt saves LoRA weights: only the first block's parameters
+    (and a dict entry's kept items), then loaded with ``strict=False`` into a fresh model (another init): the kept
+    tensors come from the checkpoint, the others keep the fresh model's values; ``strict=True`` names what is
+    missing; consolidated (or torch.load'ed) the checkpoint holds only the kept names."""
+    fabric = new_fabric(int(s), state_dict_type=fmt)
+    model, opt, _ = setup(fabric, "split", "adamw")
+    fabric_steps(fabric, model, opt, batches(2), "none", 0, 2)
+    path = OUT / f"filtered-{fmt}" if fmt == "sharded" else OUT / "filtered-full.pt"
+    keep = lambda name, value: name.startswith("blocks.0.")  # noqa: E731
+    fabric.save(path, {"model": model, "info": {"a": 1, "b": 2}}, filter={"model": keep, "info": lambda k, v: k == "a"})
+    trained = full_state(fabric, model)
+    torch.manual_seed(99)
+    fresh = fabric.setup_module(Tiny())
+    init = full_state(fabric, fresh)
+    state = {"model": fresh, "info": None}
+    fabric.load(path, state, strict=False)
+    loaded = full_state(fabric, fresh)
+    try:
+        fabric.load(path, {"model": fresh}, strict=True)
+        strict_error = None
+    except Exception as e:  # noqa: BLE001
+        strict_error = f"{type(e).__name__}: {e}"
+    try:  # refused before any collective, on every rank
+        fabric.save(OUT / "never", {"model": model, "optimizer": opt}, filter={"optimizer": keep})
+        bad_error = None
+    except ValueError as e:
+        bad_error = str(e)
+    out = {"strict_error": strict_error, "bad_error": bad_error, "info": state["info"]}
+    if fabric.global_rank == 0:
+        saved = lightning_mics.consolidate(path)["model"] if fmt == "sharded" else torch.load(path)["model"]
+        out.update(saved=sorted(saved), kept=sorted(k for k in trained if keep(k, None)),
+                   from_ckpt=max((loaded[k] - trained[k]).abs().max().item() for k in trained if keep(k, None)),
+                   untouched=max((loaded[k] - init[k]).abs().max().item() for k in init if not keep(k, None)),
+                   differs=min((init[k] - trained[k]).abs().max().item() for k in init if keep(k, None)))
+    return out
+
+
 def case_load(s, src):
     """Resumes the checkpoints of a ``resume`` run (another layout) and compares with its uninterrupted run."""
     out = {}
@@ -543,7 +582,7 @@ def case_quant(s, accum, block, layout=""):
 
 CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
          "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback, "feedback_load": case_feedback_load,
-         "feedback_rows": case_feedback_rows, "torchsd": case_torchsd}
+         "feedback_rows": case_feedback_rows, "torchsd": case_torchsd, "filter": case_filter}
 
 
 def main():
