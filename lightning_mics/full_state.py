@@ -126,19 +126,17 @@ def full_state_dict(units: Sequence[Unit], topo: Topology, root: nn.Module,
 @torch.no_grad()
 def load_full_state_dict(units: Sequence[Unit], root: nn.Module, state: Dict[str, Tensor],
                          device: torch.device, strict: bool = True) -> None:
-    """Copies this rank's rows of every full tensor into its shard; replicated ones and buffers whole."""
+    """Copies this rank's rows of every full tensor into its shard; replicated ones and buffers whole. What goes
+    where is what ``root.load_state_dict(state, strict)`` would put there ([Note: loading as torch loads])."""
     slots = by_id(units)
     for unit in units:
         unit.settle_rows()  # rows still on their way must not land on the loaded ones
     own = root.state_dict(keep_vars=True)
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    if strict and (missing or unexpected):
-        raise KeyError(f"state dict does not match the module: missing {missing}, unexpected {unexpected}")
+    landed = _as_torch_loads(root, state, strict)
     for name, t in own.items():
-        if name not in state:
+        if name not in landed:
             continue
-        src = state[name].to(device)
+        src = landed[name].to(device)
         slot = slots.get(id(t))
         if slot is not None:
             slot.copy_from_global(src)
@@ -146,6 +144,38 @@ def load_full_state_dict(units: Sequence[Unit], root: nn.Module, state: Dict[str
             local(t).copy_(src)
     for unit in units:
         unit.rows_written()  # [Note: quantized optimizer rows] in optimizer_rows.py
+
+
+@torch.no_grad()
+def _as_torch_loads(root: nn.Module, state: Dict[str, Tensor], strict: bool) -> Dict[str, Tensor]:
+    """[Note: loading as torch loads] The tensor ``root.load_state_dict(state, strict)`` would load at each of
+    the root's state-dict names: the modules' own ``_load_from_state_dict`` and load pre-hooks act, so a module
+    that renames or rebuilds entries of an older layout loads them (litgpt's LoRA GPT takes a base model's
+    ``lm_head.weight`` as ``lm_head.linear.weight``; its attention reassembles legacy ``attn`` weights). torch's
+    own load runs with ``assign=True``, which only places the given tensors (its shape checks and strict errors
+    included); they are read back and every module's own parameters and buffers put back."""
+    where = {}
+    for prefix, module in root.named_modules(remove_duplicate=False):
+        for attr in [*module._parameters, *module._buffers]:
+            where[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
+    kept = [(m, dict(m._parameters), dict(m._buffers)) for m in root.modules(remove_duplicate=False)]
+    landed: Dict[str, Tensor] = {}
+    try:
+        root.load_state_dict(state, strict=strict, assign=True)
+        before = {id(m): (params, buffers) for m, params, buffers in kept}
+        for name, (module, attr) in where.items():
+            params, buffers = before[id(module)]
+            old = params[attr] if attr in params else buffers.get(attr)
+            now = module._parameters[attr] if attr in module._parameters else module._buffers.get(attr)
+            if now is not None and now is not old:
+                landed[name] = now.detach()
+    finally:
+        for m, params, buffers in kept:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+    return landed
 
 
 @torch.no_grad()

@@ -338,12 +338,17 @@ def case_torchsd(s):
     SD.set_optimizer_state_dict(model.module, opt.optimizer, state["optim"])
     fabric_steps(fabric, model, opt, data, "norm", half, STEPS)
     resumed = full_state(fabric, model)
+    # a full state dict on rank 0 only (a pretrained model's, as torchtitan loads one), broadcast into the shards
+    SD.set_model_state_dict(model.module, dict(full) if fabric.global_rank == 0 else {},  # (it edits the dict)
+                            options=SD.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    broadcast = full_state(fabric, model)
     if fabric.global_rank != 0:
         return {}
     return {"full_keys": sorted(full) == sorted(mine), "full_max": max((full[k] - mine[k]).abs().max().item()
                                                                          for k in mine),
             "resumed_max": max((resumed[k] - straight[k]).abs().max().item() for k in straight),
-            "moved": max((resumed[k] - mine[k]).abs().max().item() for k in mine)}
+            "moved": max((resumed[k] - mine[k]).abs().max().item() for k in mine),
+            "broadcast_max": max((broadcast[k] - mine[k]).abs().max().item() for k in mine)}
 
 
 def case_filter(s, fmt):
