@@ -17,7 +17,7 @@ from tests.helpers.launch import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "scripts" / "compat.py"
 CASES = ["manual1", "manual_accum", "manual2", "calls_itself", "summary", "bf16", "fail_refit", "stays_sharded",
-         "stays_sharded_bf16", "resume_bf16", "some_ranks", "adamw_foreach", "adamw_fused"]
+         "stays_sharded_bf16", "resume_bf16", "some_ranks", "adamw_foreach", "adamw_fused", "user_checkpoint"]
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,8 @@ def runs(tmp_path_factory):
                 res = run_ranks(SCRIPT, 1, ["--strategy", "single", "--cases", "finetune"], d,
                                 extra_env={"DATA_WORLD": str(world)})
             else:
-                cases = CASES + (["finetune"] if kind == "mics" else [])
+                cases = CASES + (["finetune"] if kind == "mics" else []) + \
+                    (["user_checkpoint_reentrant"] if kind.startswith("mics") else [])  # DDP refuses it
                 res = run_ranks(SCRIPT, world, ["--strategy", kind, "--cases", ",".join(cases)], d)
             errors = {c: e for r in res for c, e in r["errors"].items()}
             out[key] = (d, errors)
@@ -147,6 +148,18 @@ def test_foreach_and_fused_adamw_equal_ddp(runs, kind, world, case):
     over the DTensor parameters, with accumulation and clipping by norm: the parameters DDP gets (measured: at
     most 2.5e-7 apart, as DDP's own fused and foreach runs are, 1.7e-7)."""
     got, ref = load(runs, kind, world, case), load(runs, "ddp", world, case)
+    assert_params_close(got["params"], ref["params"], 1e-6)
+    assert got["param_types"] == ["Parameter"]
+
+
+@pytest.mark.parametrize("kind, world", MICS)
+@pytest.mark.parametrize("case", ["user_checkpoint", "user_checkpoint_reentrant"])
+def test_the_models_own_checkpointing_equals_ddp(runs, kind, world, case):
+    """The model's forward calls ``torch.utils.checkpoint.checkpoint`` on each block (as HF's gradient
+    checkpointing does), with accumulation and clipping: the replay inside backward gathers the block's unit
+    again. Reentrant checkpointing is compared with DDP's non-reentrant run (the same gradients): DDP itself
+    fails on it without ``static_graph`` ("marked as ready twice"). Measured: 1.3e-7 apart."""
+    got, ref = load(runs, kind, world, case), load(runs, "ddp", world, "user_checkpoint")
     assert_params_close(got["params"], ref["params"], 1e-6)
     assert got["param_types"] == ["Parameter"]
 

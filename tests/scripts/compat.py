@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -289,6 +290,21 @@ class AdamWImpl(Base):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1, **{self.impl: True})
 
 
+class UserCheckpoint(Base):
+    """The model's own activation checkpointing, as HF's ``gradient_checkpointing_enable`` and nanoGPT-style
+    models do it: each block called through ``torch.utils.checkpoint.checkpoint`` in forward, non-reentrant
+    (torch's recommendation) or reentrant (the old default, still common). The blocks are units: the replay
+    gathers them again inside backward."""
+    reentrant = False
+
+    def forward(self, idx):
+        net = self.net
+        x = net.emb(idx)
+        for b in net.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=self.reentrant)
+        return net.head(x.mean(1))
+
+
 class Boom(LateReplica):
     """Fails on every rank right after its second optimizer step (Lightning's broadcast at the next batch's start
     would line the ranks up again): the first half a second before the second, its rows of that step still in
@@ -401,6 +417,11 @@ def run_case(case, kind, world, rank, out):
     elif case in ("adamw_foreach", "adamw_fused"):  # with accumulation and clipping by norm, as litgpt runs it
         m = AdamWImpl()
         m.impl = case.removeprefix("adamw_")
+        trainer_for(kind, world, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(
+            m, loader(classification_data(8 * world * BATCH), kind, world, rank))
+    elif case in ("user_checkpoint", "user_checkpoint_reentrant"):  # with accumulation and clipping by norm
+        m = UserCheckpoint()
+        m.reentrant = case.endswith("reentrant")
         trainer_for(kind, world, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(
             m, loader(classification_data(8 * world * BATCH), kind, world, rank))
     elif case == "resume_bf16":
