@@ -22,6 +22,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -165,6 +166,11 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
+        for cb in trainer.callbacks:  # on every rank alike, before the engine's first collective
+            if isinstance(cb, StochasticWeightAveraging):
+                raise ValueError("MiCSStrategy: the StochasticWeightAveraging callback is not supported: it averages "
+                                 "into a plain copy of the module made before sharding, with the sharded parameters "
+                                 "(as Lightning refuses it under FSDP); allowed: no SWA callback.")
         self.accelerator.setup(trainer)
         self.precision_plugin = to_mics_precision(self.precision_plugin, self.root_device)
         self.precision_plugin._mics_clip = self.clip_grad_norm_

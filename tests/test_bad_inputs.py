@@ -7,8 +7,9 @@ Trainer is made (``validate_world``, the precision check), before any process is
 forked from the test launcher's server that has imported Lightning, ``tests/helpers/launch.py``: what is checked
 is the refusal, not the interpreter's start; the other kinds start a fresh ``python``). Those that need the model
 (a ``shard_units`` or ``activation_checkpointing`` class the model does not contain, a checkpoint group longer
-than the run of blocks, a fused optimizer whose kernel DTensor has no rule for) are refused at setup: Lightning's launcher starts rank 1, both ranks raise the same error
-before the first collective of the engine, and both exit (the output holds each rank's line). Two run under
+than the run of blocks, a fused optimizer whose kernel DTensor has no rule for, Lightning's SWA callback) are
+refused at setup: Lightning's launcher starts rank 1, both ranks raise the same error before the first collective
+of the engine, and both exit (the output holds each rank's line). Two run under
 ``torchrun`` (2 ranks, every rank refuses before the process group: a degree that does not divide the world, and
 ``devices`` not matching torchrun's world size), and two through the Hydra app
 (``python -m lightning_mics.app.train strategy.X=...``). The 60 s bound is the specification, not a figure.
@@ -96,6 +97,8 @@ CASES = [
     ("group-longer-than-run", SETUP, {"activation_checkpointing": ["tests.scripts.compat.Block"],
                                       "checkpoint_group_size": 3}, [],
      ["checkpoint_group_size=3", "allowed: 1..2"]),
+    ("swa-callback", SETUP, {}, ["--swa"],
+     ["StochasticWeightAveraging callback is not supported", "allowed: no SWA callback"]),
     ("fused-sgd", SETUP, {}, ["--fused-sgd"],  # the user's optimizer: a fused kernel DTensor has no rule for
      ["SGD(fused=True) cannot step the sharded parameters", "aten._fused_sgd_", "Allowed: SGD(foreach=True)"]),
     ("torchrun-degree-not-dividing-world", TORCHRUN, {"sharded_data_parallel_degree": 4}, [],
