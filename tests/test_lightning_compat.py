@@ -17,7 +17,8 @@ from tests.helpers.launch import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "scripts" / "compat.py"
 CASES = ["manual1", "manual_accum", "manual2", "calls_itself", "summary", "bf16", "fail_refit", "stays_sharded",
-         "stays_sharded_bf16", "resume_bf16", "some_ranks", "adamw_foreach", "adamw_fused", "user_checkpoint"]
+         "stays_sharded_bf16", "resume_bf16", "some_ranks", "adamw_foreach", "adamw_fused", "user_checkpoint",
+         "lr_find"]
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +163,17 @@ def test_the_models_own_checkpointing_equals_ddp(runs, kind, world, case):
     got, ref = load(runs, kind, world, case), load(runs, "ddp", world, "user_checkpoint")
     assert_params_close(got["params"], ref["params"], 1e-6)
     assert got["param_types"] == ["Parameter"]
+
+
+@pytest.mark.parametrize("kind, world", MICS)
+def test_learning_rate_finder_equals_ddp(runs, kind, world):
+    """``Tuner(trainer).lr_find``: it saves a checkpoint (a sharded directory here), runs 20 steps over growing
+    learning rates, restores the checkpoint and removes it; then fit. The same suggestion as under DDP, set on
+    the module, nothing left behind, and the parameters after fit equal DDP's."""
+    got, ref = load(runs, kind, world, "lr_find"), load(runs, "ddp", world, "lr_find")
+    assert got["suggestion"] == ref["suggestion"] == got["lr"], (got["suggestion"], ref["suggestion"])
+    assert got["leftover"] == [], got["leftover"]
+    assert_params_close(got["params"], ref["params"], 1e-6)
 
 
 @pytest.mark.parametrize("kind, world", MICS)

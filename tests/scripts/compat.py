@@ -28,6 +28,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import BackboneFinetuning  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
+from lightning.pytorch.tuner import Tuner  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
@@ -305,6 +306,14 @@ class UserCheckpoint(Base):
         return net.head(x.mean(1))
 
 
+class TunedLR(Base):
+    """For Lightning's learning-rate finder: it sets ``self.lr``."""
+    lr = 0.05
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 class Boom(LateReplica):
     """Fails on every rank right after its second optimizer step (Lightning's broadcast at the next batch's start
     would line the ranks up again): the first half a second before the second, its rows of that step still in
@@ -424,6 +433,15 @@ def run_case(case, kind, world, rank, out):
         m.reentrant = case.endswith("reentrant")
         trainer_for(kind, world, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(
             m, loader(classification_data(8 * world * BATCH), kind, world, rank))
+    elif case == "lr_find":  # Tuner.lr_find: a save, 20 steps, a restore and the removal of its checkpoint
+        m = TunedLR()
+        root = Path(out) / f"lr_find_{kind}"
+        trainer = trainer_for(kind, world, max_steps=3, default_root_dir=str(root))
+        data = loader(classification_data(40 * world * BATCH), kind, world, rank)
+        found = Tuner(trainer).lr_find(m, train_dataloaders=data, min_lr=1e-4, max_lr=1.0, num_training=20)
+        result.update(suggestion=found.suggestion(), lr=m.lr,
+                      leftover=sorted(p.name for p in root.iterdir() if "lr_find" in p.name))
+        trainer.fit(m, data)
     elif case == "resume_bf16":
         ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
         m = BF16()
