@@ -2,7 +2,7 @@
 torch.compile] in hooks.py): the whole model compiled before ``fabric.setup``, as litgpt's pretraining does, with
 the default schedule, prefetch 2 and keep-gathered, and under the Trainer a compiled submodule or each block
 compiled on its own with ``fullgraph=True`` (torchtitan's pattern: the hooks outside the blocks' graphs), wrapped
-or in place. Each against DDP
+or in place, and torchtitan's recipe with torch's checkpoint wrapper inside each compiled block. Each against DDP
 compiled the same way, on 2 CPU ranks (s = 2); under bf16-mixed too; with activation checkpointing ([Note:
 checkpointing under torch.compile] in activations.py)."""
 
@@ -42,9 +42,9 @@ def ddp(tmp_path_factory):
 
 @pytest.mark.parametrize("front, options", [("fabric", {}), ("fabric", {"prefetch": 2}),
                                             ("fabric", {"reshard_after_forward": False}), ("trainer", {}),
-                                            ("trainer-blocks", {}), ("trainer-inplace", {})],
+                                            ("trainer-blocks", {}), ("trainer-inplace", {}), ("trainer-titan", {})],
                          ids=["fabric", "fabric-prefetch2", "fabric-keep-gathered", "trainer", "trainer-blocks",
-                              "trainer-inplace"])
+                              "trainer-inplace", "trainer-titan"])
 def test_compiled_model_equals_compiled_ddp(tmp_path, ddp, front, options):
     got, ref = launch(tmp_path / "mics", front, "mics", options), ddp(front)
     assert sorted(got["params"]) == sorted(ref["params"])

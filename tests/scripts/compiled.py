@@ -1,16 +1,18 @@
 """One rank of tests/test_compile.py: ``torch.compile`` under MiCS against DDP compiled the same way.
 
-    python compiled.py --out DIR --front fabric|trainer|trainer-blocks|trainer-inplace --strategy mics|ddp
-                       [--options JSON] [--precision P]
+    python compiled.py --out DIR --front fabric|trainer|trainer-blocks|trainer-inplace|trainer-titan
+                       --strategy mics|ddp [--options JSON] [--precision P]
 
 ``fabric``: the whole model compiled before ``fabric.setup`` (litgpt's pretraining pattern); ``trainer``: the
 LightningModule's network compiled in ``__init__`` (Lightning itself refuses ``trainer.fit(torch.compile(module))``
 for every strategy outside its own list, DDP's and FSDP1's among them, so a compiled submodule is how a Trainer
 user compiles under a sharded strategy, as with Lightning's ModelParallelStrategy); ``trainer-blocks``: each block
 compiled on its own with ``fullgraph=True`` (torchtitan's pattern), ``trainer-inplace``: the same in place
-(``block.compile(fullgraph=True)``: the parameter names stay the eager model's). AdamW, accumulation 2,
-clipping by norm, 4 optimizer steps. Rank 0 writes the final parameters and dynamo's graph count after the first
-optimizer step and at the end: equal when swapping the gathered parameters in and out recompiles nothing.
+(``block.compile(fullgraph=True)``: the parameter names stay the eager model's), ``trainer-titan``: torchtitan's
+recipe, each block in torch's ``checkpoint_wrapper`` and then compiled whole (the checkpoint inside the graph).
+AdamW, accumulation 2, clipping by norm, 4 optimizer steps. Rank 0 writes the final parameters and dynamo's graph
+count after the first optimizer step and at the end: equal when swapping the gathered parameters in and out
+recompiles nothing.
 """
 
 import argparse
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
@@ -66,12 +69,14 @@ class Probe:
 class Compiled(Base):
     def __init__(self, front):
         super().__init__()
-        self.probe = Probe(self.net.blocks)
+        self.probe = Probe([] if front == "trainer-titan" else self.net.blocks)  # (its hook would break the graph)
         for i, block in enumerate(self.net.blocks):  # per block, whole graphs (fullgraph), as torchtitan does
             if front == "trainer-blocks":
                 self.net.blocks[i] = torch.compile(block, fullgraph=True)
             elif front == "trainer-inplace":
                 block.compile(fullgraph=True)
+            elif front == "trainer-titan":  # torchtitan's recipe: torch's checkpoint wrapper, then compile
+                self.net.blocks[i] = torch.compile(checkpoint_wrapper(block), fullgraph=True)
         if front == "trainer":
             self.net = torch.compile(self.net)
 
@@ -138,7 +143,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--front", required=True, choices=("fabric", "trainer", "trainer-blocks",
-                                                                 "trainer-inplace"))
+                                                                 "trainer-inplace", "trainer-titan"))
     ap.add_argument("--strategy", required=True, choices=("mics", "ddp"))
     ap.add_argument("--options", default="{}", help="JSON of further MiCSStrategy options")
     ap.add_argument("--precision", default="32-true")
