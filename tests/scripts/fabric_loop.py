@@ -585,9 +585,10 @@ def case_quant(s, accum, block, layout=""):
     return out
 
 
-CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume, "load": case_load,
-         "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback, "feedback_load": case_feedback_load,
-         "feedback_rows": case_feedback_rows, "torchsd": case_torchsd, "filter": case_filter}
+CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume,
+         "load": case_load, "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback,
+         "feedback_load": case_feedback_load, "feedback_rows": case_feedback_rows, "torchsd": case_torchsd,
+         "filter": case_filter}
 
 
 def main():
