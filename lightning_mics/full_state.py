@@ -146,7 +146,6 @@ def load_full_state_dict(units: Sequence[Unit], root: nn.Module, state: Dict[str
         unit.rows_written()  # [Note: quantized optimizer rows] in optimizer_rows.py
 
 
-@torch.no_grad()
 def _as_torch_loads(root: nn.Module, state: Dict[str, Tensor], strict: bool) -> Dict[str, Tensor]:
     """[Note: loading as torch loads] The tensor ``root.load_state_dict(state, strict)`` would load at each of
     the root's state-dict names: the modules' own ``_load_from_state_dict`` and load pre-hooks act, so a module
@@ -158,19 +157,18 @@ def _as_torch_loads(root: nn.Module, state: Dict[str, Tensor], strict: bool) -> 
     for prefix, module in root.named_modules(remove_duplicate=False):
         for attr in [*module._parameters, *module._buffers]:
             where[f"{prefix}.{attr}" if prefix else attr] = (module, attr)
-    kept = [(m, dict(m._parameters), dict(m._buffers)) for m in root.modules(remove_duplicate=False)]
+    kept = {id(m): (m, dict(m._parameters), dict(m._buffers)) for m in root.modules()}
     landed: Dict[str, Tensor] = {}
     try:
         root.load_state_dict(state, strict=strict, assign=True)
-        before = {id(m): (params, buffers) for m, params, buffers in kept}
         for name, (module, attr) in where.items():
-            params, buffers = before[id(module)]
+            _, params, buffers = kept[id(module)]
             old = params[attr] if attr in params else buffers.get(attr)
             now = module._parameters[attr] if attr in module._parameters else module._buffers.get(attr)
             if now is not None and now is not old:
                 landed[name] = now.detach()
     finally:
-        for m, params, buffers in kept:
+        for m, params, buffers in kept.values():
             m._parameters.clear()
             m._parameters.update(params)
             m._buffers.clear()
