@@ -43,6 +43,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.utils.checkpoint import _checkpoint_without_reentrant_generator, noop_context_fn
 
 from lightning_mics.sharding import compiled_wrapper, resolve_classes, unwrapped
@@ -84,11 +85,26 @@ def plan_groups(root: nn.Module, names: Sequence, group_size: int) -> List[List[
         _fail("checkpoint_group_size", group_size,
               f"at most {shortest}: the shortest run of consecutive {[c.__name__ for c in classes]} modules "
               f"has {shortest} (allowed: 1..{shortest})")
+    _refuse_wrapped(root, runs, names)
     groups = []
     for run in runs:
         for i in range(0, len(run), group_size):
             groups.append(run[i:i + group_size])
     return groups
+
+
+def _refuse_wrapped(root: nn.Module, runs: List[List[nn.Module]], names: Sequence) -> None:
+    """A module to checkpoint that torch's ``checkpoint_wrapper`` already checkpoints (inside it, or holding one)
+    is refused: Lightning's FSDP strategies warn and drop their option there, but this option would then be
+    accepted and ignored, with its grouping and offload."""
+    inside = {id(m) for w in root.modules() if isinstance(w, CheckpointWrapper) for m in w.modules()}
+    wrapped = [n for n, m in root.named_modules() for r in runs for b in r
+               if b is m and (id(m) in inside or any(isinstance(x, CheckpointWrapper) for x in m.modules()))]
+    if wrapped:
+        _fail("activation_checkpointing", list(names),
+              f"the model already checkpoints {wrapped} with torch's checkpoint_wrapper: checkpointing them again "
+              "would recompute them twice in backward. Allowed: this option without the wrappers, or the wrappers "
+              "with activation_checkpointing=None")
 
 
 class _HostCopy:

@@ -113,7 +113,10 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
 
 @torch.no_grad()
 def load_full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer, full: Dict[str, Any]) -> None:
-    """Slices this rank's rows out of a consolidated optimizer state and loads it as DTensors."""
+    """Slices this rank's rows out of a consolidated optimizer state (by position, or by name as torch's and
+    Lightning's consolidations key it) and loads it as DTensors."""
+    if any(isinstance(n, str) for g in full.get("param_groups", []) for n in g["params"]):
+        full = _by_index(full)
     slots = _slots(engine)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     state = {}
@@ -383,7 +386,8 @@ def _by_index(state: Dict[str, Any]) -> Dict[str, Any]:
 
 def consolidate(path: Any) -> Dict[str, Any]:
     """A checkpoint written by MiCSStrategy as one plain dict: Lightning's usual full checkpoint, with a full
-    ``state_dict`` (the module's own keys) and each optimizer's state as a plain run's ``state_dict()``.
+    ``state_dict`` (the module's own keys) and each optimizer's state as a plain run's ``state_dict()`` (from
+    ``fabric.save``: the dict one plain process saves with Fabric).
 
     A sharded directory is read in this process, without a process group; a full file is returned as read. Both
     are read with ``weights_only=True`` (a checkpoint is untrusted input) and DCP's index with an allow-list
@@ -393,7 +397,7 @@ def consolidate(path: Any) -> Dict[str, Any]:
     """
     path = files.resolve(Path(path))
     if path.is_file():
-        return files.load_full(path, weights_only=True)
+        return files.load_full(path, weights_only=True, lightning=False)
     meta, index = files.check_sharded(path, weights_only=True)
     state = files.empty_state(index)
     try:
@@ -405,13 +409,10 @@ def consolidate(path: Any) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: cannot be read: {type(err).__name__}: {err}") from err
     out = dict(meta)
     info = out.pop(files.MARKER)
-    fabric = info.get("fabric")
-    if fabric is not None:  # written by fabric.save: each module and optimizer under its own key
+    if (fabric := info.get("fabric")) is not None:  # written by fabric.save: each module and optimizer by key
         out.update({k: state.get(k, {}) for k in fabric["modules"]})
         out.update({k: _by_index(state.get(k, {})) for k in fabric["optimizers"]})
-        out[files.MARKER] = files.marker("full", fabric=fabric,
-                                         consolidated_from={k: v for k, v in info.items() if k != "version"})
-        return out
+        return out  # no marker: what one plain process saves with Fabric (as fabric.save's full format)
     out["state_dict"] = state.get("state_dict", {})
     if info.get("optimizers") is not None:
         out["optimizer_states"] = [_by_index(state.get(f"optimizer_{i}", {})) for i in range(info["optimizers"])]

@@ -62,6 +62,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be read: the message names its path and what is wrong."""
 
 
+class MissingKeyError(CheckpointError, KeyError):
+    """``fabric.load(path, state)`` under ``strict=True`` with a key of ``state`` the checkpoint lacks: a
+    ``KeyError``, as every Lightning strategy raises it, and a ``CheckpointError``."""
+
+    __str__ = RuntimeError.__str__  # the message as written, not KeyError's repr of it
+
+
 def marker(fmt: str, **extra: Any) -> Dict[str, Any]:
     return {"format": fmt, "version": VERSION, **extra}
 
@@ -178,6 +185,18 @@ def resolve(path: Path) -> Path:
                           stacklevel=3)
             return old
     raise CheckpointError(f"{path}: no checkpoint (neither a file nor a directory) at this path.")
+
+
+def unreplaceable(path: Path) -> Optional[str]:
+    """Why a save must not take ``path``'s place, or None: a directory holding anything but a checkpoint (a save
+    replaces what is there, and would remove those files with it)."""
+    if not path.is_dir() or (path / META_FILE).exists() or (path / DCP_METADATA).exists():
+        return None
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return None
+    return (f"{path} exists and is a directory that holds no checkpoint ({len(entries)} entries, e.g. "
+            f"{entries[:3]}): a save there would replace it and remove them. Save to another path, or remove it.")
 
 
 def is_complete(path: Path) -> bool:
@@ -333,5 +352,8 @@ def load_full(path: Path, weights_only: Optional[bool] = True, loader: Any = Non
     if not isinstance(ckpt, dict) or (lightning and not isinstance(ckpt.get("state_dict"), dict)):
         raise CheckpointError(f"{path}: not a Lightning checkpoint (no 'state_dict' dict in it).")
     if MARKER in ckpt:  # written by lightning_mics; Lightning checkpoints of other strategies carry none
-        check_marker(ckpt[MARKER], path, "full")
+        consolidated = isinstance(info, dict) and info.get("format") == "sharded" and "fabric" in info
+        # ``consolidated``: a fabric.save directory made one file by DCP's own tools with its meta.pt merged in
+        # (Lightning's ``consolidate_checkpoint``): each module's and optimizer's state under its key, as full
+        check_marker(info, path, "sharded" if consolidated else "full")
     return ckpt

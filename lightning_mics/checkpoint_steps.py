@@ -10,7 +10,7 @@ on for DCP to read. The front ends decide what goes into the checkpoint and wher
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
@@ -35,8 +35,9 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def agree(error: Optional[str]) -> None:
-    """Every rank raises the same CheckpointError if any rank found one ([Note: checks before collectives])."""
+def agree(error: Optional[str], kind: Type[Exception] = files.CheckpointError) -> None:
+    """Every rank raises the same ``kind`` of CheckpointError if any rank found one ([Note: checks before
+    collectives])."""
     if _distributed_is_initialized() and dist.get_world_size() > 1:
         errors: List[Optional[str]] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
@@ -44,12 +45,16 @@ def agree(error: Optional[str]) -> None:
         if failed:
             error = errors[failed[0]] + ("" if len(failed) == len(errors) else f" (found on rank(s) {failed})")
     if error:
-        raise files.CheckpointError(error)
+        raise kind(error)
 
 
 def path_and_token(path: Any) -> Tuple[str, str]:
-    """Rank 0's path and a fresh token, on every rank. Collective."""
-    return broadcast((str(path), ckpt.new_token()))
+    """Rank 0's path and a fresh token, on every rank, once rank 0 found the path one a save may replace (an
+    ``IsADirectoryError`` on every rank otherwise). Collective."""
+    path, token = broadcast((str(path), ckpt.new_token()))
+    zero = not _distributed_is_initialized() or dist.get_rank() == 0
+    agree(files.unreplaceable(Path(path)) if zero and "://" not in path else None, IsADirectoryError)
+    return path, token
 
 
 def refuse_remote_sharded(path: str, storage_options: Any) -> None:

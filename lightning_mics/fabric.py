@@ -40,7 +40,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mics import checkpoint as ckpt
 from lightning_mics import fabric_checkpoint as fc
 from lightning_mics import frontend as F
 from lightning_mics.precision import sharded_scaler
@@ -239,11 +238,12 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:
-        """The optimizer's full state (a plain run's ``state_dict()``) on rank 0, {} elsewhere. Collective."""
-        engine = F.engine_holding(F.unwrap(optimizer))
-        if engine is None:
-            return super().get_optimizer_state(optimizer)
-        return ckpt.full_optimizer_state(engine, F.unwrap(optimizer), dst=0)
+        """``fabric_optimizer.state_dict()``: the optimizer's own state dict on every rank, its state the DTensor
+        shards, without a collective: as ``fabric_model.state_dict()`` and as under Lightning's ModelParallel
+        (FSDP2) strategy, so torch's ``get_optimizer_state_dict(model, optimizer)`` works on the Fabric wrapper and a
+        call on one rank alone cannot hang. The full state: ``fabric.save`` with ``state_dict_type="full"``, or
+        torch's API with ``StateDictOptions(full_state_dict=True)``."""
+        return F.unwrap(optimizer).state_dict()
 
     def model_state_bytes(self, module: nn.Module, optimizers: List[Optimizer] = ()) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds for ``module``."""

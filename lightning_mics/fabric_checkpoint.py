@@ -9,7 +9,8 @@ DTensor shards themselves: nothing is gathered); the rest of the dict (numbers, 
 objects such as schedulers) goes to ``meta.pt`` with the marker, whose ``fabric`` entry names the module and
 optimizer keys. With ``state_dict_type="full"`` rank 0 writes one file, the dict a plain process would save with
 Fabric: each module's full state dict (fp32 masters, gathered unit by unit) and each optimizer's
-``state_dict()`` keyed by position, plus the marker. Both load into any layout (s, r) and with the same keys;
+``state_dict()`` keyed by position, and nothing else (no marker: ``fabric.load`` returns a plain process's
+remainder from it). Both load into any layout (s, r) and with the same keys;
 ``lightning_mics.consolidate`` turns a directory into the full form in one process. Loading checks the files
 and the keys on every rank, and the ranks agree before any collective ([Note: checks before collectives]).
 """
@@ -106,18 +107,22 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
         for k, o in optimizers.items():
             engine = owners[k][1]
             meta[k] = ckpt.full_optimizer_state(engine, o, dst=0) if engine is not None else o.state_dict()
-    meta[files.MARKER] = files.marker("full", fabric=info)
-    io = strategy.checkpoint_io
+    io = strategy.checkpoint_io  # no marker: the file is the dict one plain process saves
     steps.write_full(meta, path, token, lambda c, p: io.save_checkpoint(c, p, storage_options=storage_options),
                      strategy.is_global_zero)
 
 
-def _missing(state: Dict[str, Any], keys: Any, path: Path, strict: bool) -> Optional[str]:
-    missing = sorted(set(state) - set(keys))
-    if strict and missing:
-        return (f"{path}: holds no entry for {missing} (it holds {sorted(keys)}); fabric.load(..., strict=False) "
-                "loads the common keys.")
-    return None
+def _check_keys(state: Dict[str, Any], keys: Any, path: Path, strict: bool) -> None:
+    """Under ``strict``, every key of ``state`` is in the checkpoint: a ``KeyError`` on every rank otherwise, as
+    Lightning's strategies raise it. Collective."""
+    missing = sorted(set(state) - set(keys)) if strict else []
+    error = None
+    if missing:
+        which = f"a key {missing[0]!r} that does" if len(missing) == 1 else f"keys {missing} that do"
+        error = (f"{path}: the requested state contains {which} not exist in the checkpoint (it holds "
+                 f"{sorted(k for k in keys if k != files.MARKER)}); fabric.load(..., strict=False) loads the "
+                 "common keys.")
+    steps.agree(error, files.MissingKeyError)
 
 
 def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer, Dict[str, Any]], strict: bool,
@@ -130,18 +135,22 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     state = state or {}
 
     def check(p: Path, meta: Dict[str, Any]) -> Optional[str]:
-        info = meta[files.MARKER].get("fabric")
-        if info is None:
+        if meta[files.MARKER].get("fabric") is None:
             return f"{p}: written by the Trainer strategy (trainer.save_checkpoint); fabric.load reads fabric.save's."
-        return _missing(state, [*info["modules"], *info["optimizers"], *meta], p, strict)
+        return None
 
     path, full, meta, index = steps.read_checked(path, weights_only, check=check, lightning=False)
     if not state:
         return full if full is not None else ckpt.consolidate(path)
+    if full is not None:
+        _check_keys(state, full, path, strict)
+    else:
+        assert meta is not None
+        info = meta[files.MARKER]["fabric"]
+        _check_keys(state, [*info["modules"], *info["optimizers"], *meta], path, strict)
     modules, optimizers, rest = _split(state)
     with torch.inference_mode(False):
         if full is not None:
-            steps.agree(_missing(state, full, path, strict))
             feedback.warn_full({k: ENGINES.get(m) for k, m in modules.items()}, path)
             for k, m in modules.items():
                 if k in full:

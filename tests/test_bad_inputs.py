@@ -6,8 +6,8 @@ Trainer is made (``validate_world``, the precision check), before any process is
 ``tests/scripts/bad_input.py`` with ``devices=2`` as one process and never start the second rank (the process is
 forked from the test launcher's server that has imported Lightning, ``tests/helpers/launch.py``: what is checked
 is the refusal, not the interpreter's start; the other kinds start a fresh ``python``). Those that need the model
-(a ``shard_units`` or ``activation_checkpointing`` class the model does not contain, a checkpoint group longer
-than the run of blocks, a fused optimizer whose kernel DTensor has no rule for, Lightning's SWA callback) are
+(a ``shard_units`` or ``activation_checkpointing`` class the model does not contain or has already wrapped in
+torch's ``checkpoint_wrapper``, a checkpoint group longer than the run of blocks, a fused optimizer whose kernel DTensor has no rule for, Lightning's SWA callback) are
 refused at setup: Lightning's launcher starts rank 1, both ranks raise the same error before the first collective
 of the engine, and both exit (the output holds each rank's line). Two run under
 ``torchrun`` (2 ranks, every rank refuses before the process group: a degree that does not divide the world, and
@@ -97,6 +97,10 @@ CASES = [
     ("group-longer-than-run", SETUP, {"activation_checkpointing": ["tests.scripts.compat.Block"],
                                       "checkpoint_group_size": 3}, [],
      ["checkpoint_group_size=3", "allowed: 1..2"]),
+    ("checkpointing-wrapped-blocks", SETUP, {"activation_checkpointing": ["tests.scripts.compat.Block"]},
+     ["--wrapped-blocks"],  # the user's own checkpoint_wrapper around each block: Lightning's FSDP ignores its option
+     ["activation_checkpointing=['tests.scripts.compat.Block']", "already checkpoints", "Allowed: this option "
+      "without the wrappers, or the wrappers with activation_checkpointing=None"]),
     ("swa-callback", SETUP, {}, ["--swa"],
      ["StochasticWeightAveraging callback is not supported", "allowed: no SWA callback"]),
     ("fused-sgd", SETUP, {}, ["--fused-sgd"],  # the user's optimizer: a fused kernel DTensor has no rule for

@@ -1,7 +1,7 @@
 """A user's script with one bad strategy option (tests/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
 
     python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N] [--fused-sgd]
-                        [--swa]
+                        [--swa] [--wrapped-blocks]
 
 Started as ``python bad_input.py`` (Lightning's launcher would start rank 1) or under ``torchrun``. Most bad values
 are refused in ``MiCSStrategy.__init__`` or when the Trainer is made, before any process is launched; those that
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
@@ -37,6 +38,7 @@ def main():
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--fused-sgd", action="store_true", help="the module's SGD built with fused=True")
     ap.add_argument("--swa", action="store_true", help="Lightning's StochasticWeightAveraging callback")
+    ap.add_argument("--wrapped-blocks", action="store_true", help="each block in torch's checkpoint_wrapper")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     try:
@@ -46,6 +48,9 @@ def main():
                             strategy=MiCSStrategy(**json.loads(args.strategy)),
                             callbacks=[StochasticWeightAveraging(swa_lrs=0.05)] if args.swa else None)
         module = Base()
+        if args.wrapped_blocks:
+            for i, block in enumerate(module.net.blocks):
+                module.net.blocks[i] = checkpoint_wrapper(block)
         if args.fused_sgd:
             module.configure_optimizers = lambda: torch.optim.SGD(module.parameters(), lr=0.2, fused=True)
         trainer.fit(module, DataLoader(classification_data(4 * BATCH), batch_size=BATCH))
