@@ -26,8 +26,9 @@ Dynamo would trace into the forward hooks (they wait on collectives, resize stor
 wrap inputs in an autograd Function) and fail there. They are ``torch.compiler.disable``d, as FSDP2 has dynamo
 skip its own hooks: a compiled model breaks its graph at each unit's entry and exit, runs the hook eagerly and
 compiles what lies between (tests/test_compile.py, against DDP compiled the same way). The backward hooks (tensor
-hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd engine, outside dynamo;
-compiled autograd is not tested.
+hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd engine, outside dynamo.
+Compiled autograd would trace them: the first backward hook refuses it with a RuntimeError on every rank (it
+failed inside dynamo at ``queue_callback`` without ``fullgraph``, and hung with it).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 import torch
 import torch.nn as nn
 from torch import Tensor
+from torch._dynamo import compiled_autograd
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_mics.gradients import GradientPath
@@ -164,6 +166,12 @@ class Hooks:
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
+            if compiled_autograd.compiled_autograd_enabled or compiled_autograd.in_compiled_autograd_region:
+                raise RuntimeError("MiCSStrategy cannot run under compiled autograd: its backward hooks wait on "
+                                   "collectives and queue an end-of-backward callback, which compiled autograd "
+                                   "does not trace. Allowed: torch.compile of the model with an eager backward "
+                                   "(no torch._dynamo.compiled_autograd._enable around backward, "
+                                   "torch._dynamo.config.compiled_autograd=False).")
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 

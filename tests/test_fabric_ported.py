@@ -17,7 +17,7 @@ PRECISIONS = ["32-true", "bf16-mixed"]  # Fabric runs "16-mixed" as bf16 AMP on 
 CASES = (["train_save_load_32-true", "train_save_load_bf16-mixed", "save_full", "load_full_into_sharded",
           "move_to_device_True", "move_to_device_False", "param_groups", "reapply_compile", "init_32-true",
           "init_16-true", "init_bf16-true", "save_filter", "manual_ac", "consolidate", "load_raw_module_state",
-          "save_over"]
+          "save_over", "compiled_autograd"]
          + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS])
 
 
@@ -45,8 +45,9 @@ def test_train_save_load(ported, precision):
 @pytest.mark.parametrize("name", ["save_full", "load_full_into_sharded", "consolidate", "load_raw_module_state"])
 def test_full_state_round_trips(ported, name):
     """A full file loads into MiCS, into one plain process, and back (parameters and optimizer state exactly); a
-    plain process's checkpoint and ``load_raw`` (model and optimizer) load into MiCS; a directory consolidated by Lightning's own
-    ``_load_distributed_checkpoint`` loads back exactly; a raw state dict with a bare parameter and buffers."""
+    plain process's checkpoint and ``load_raw`` (model and optimizer) load into MiCS; a directory consolidated by
+    Lightning's own ``_load_distributed_checkpoint`` loads back exactly; a raw state dict with a bare parameter
+    and buffers."""
     r = result(ported, name)
     if name == "load_full_into_sharded":  # the raw optimizer state too: the next step equals the plain process's
         assert r["diff"] <= 1e-6, r
@@ -60,11 +61,12 @@ def test_setup_and_init(ported, name):
     result(ported, name)
 
 
-@pytest.mark.parametrize("name", ["param_groups", "reapply_compile", "manual_ac"])
+@pytest.mark.parametrize("name", ["param_groups", "reapply_compile", "manual_ac", "compiled_autograd"])
 def test_steps_equal_one_plain_process(ported, name):
     """Two parameter groups with their own learning rates, ``fabric.setup(torch.compile(model),
-    _reapply_compile=True)``, and a model the user checkpointed before setup (with the strategy's
-    ``activation_checkpointing`` also set: a warning, not a second checkpoint): each equals one plain process."""
+    _reapply_compile=True)``, a model the user checkpointed with torch's wrapper before setup (the strategy's
+    ``activation_checkpointing`` on it refused first), and a compiled model after compiled autograd was refused on
+    every rank (with and without fullgraph): each equals one plain process."""
     assert result(ported, name)["diff"] <= 1e-6
 
 

@@ -9,8 +9,9 @@ is a DTensor shard between units' use, ``summon_full_params`` is ``full_tensor()
 torch's ``get_optimizer_state_dict``. Where the original only smoke-tests a step (multiple parameter groups,
 re-applied compile, clipping), the case also trains one plain process on the same global batches and returns
 the largest difference, which the test bounds. Clipping by norm, skipped in Lightning ("not correct"; its
-expected value was max_norm itself), is tested with max_norm a tenth of the norm. The harness (one launch runs
-every case, a traceback per failed case) is ``lightning_ported.run``.
+expected value was max_norm itself), is tested with max_norm a tenth of the norm. Two cases go beyond Lightning's:
+saves over an existing path (``save_over``) and compiled autograd refused (``compiled_autograd``). The harness
+(one launch runs every case, a traceback per failed case) is ``lightning_ported.run``.
 """
 
 import os
@@ -484,6 +485,31 @@ def case_load_raw_module_state(tmp):
     return {}
 
 
+def case_compiled_autograd(tmp):
+    """Beyond Lightning's tests: torch's compiled autograd around ``fabric.backward`` of a compiled model is refused
+    with a RuntimeError on every rank, with and without ``fullgraph`` (it failed inside dynamo at the hooks'
+    ``queue_callback``, or hung); the same model then trains with an eager backward as one plain process."""
+    from torch._dynamo import compiled_autograd
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    plain = deepcopy(model)
+    f = fabric(shard_units=["torch.nn.Linear"])
+    wrapped, optimizer = f.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    compiled = torch.compile(wrapped, backend="aot_eager")
+    x = torch.randn(2, 16)
+    for fullgraph in (False, True):
+        try:
+            with compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=fullgraph)):
+                f.backward(compiled(x).square().mean())
+            raise AssertionError(f"compiled autograd ran (fullgraph={fullgraph})")
+        except RuntimeError as err:
+            assert "cannot run under compiled autograd" in str(err), err
+        optimizer.zero_grad()
+    ref = torch.optim.SGD(plain.parameters(), lr=0.1)
+    return {"diff": against_plain(f, compiled, optimizer, plain, ref, 16, lambda y: y.square().mean())}
+
+
 CASES = {
     **{f"train_save_load_{p}": (lambda tmp, _, p=p: case_train_save_load(tmp, p)) for p in ("32-true", "bf16-mixed")},
     "save_full": lambda tmp, _: case_save_full(tmp),
@@ -499,6 +525,7 @@ CASES = {
     "consolidate": lambda tmp, _: case_consolidate(tmp),
     "load_raw_module_state": lambda tmp, _: case_load_raw_module_state(tmp),
     "save_over": lambda tmp, _: case_save_over(tmp),
+    "compiled_autograd": lambda tmp, _: case_compiled_autograd(tmp),
 }
 
 if __name__ == "__main__":
