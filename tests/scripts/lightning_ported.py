@@ -402,6 +402,36 @@ def case_sharded_sd(tmp, model_kind):
     return {}
 
 
+def case_save_over(tmp):
+    """test_model_parallel.py::test_save_checkpoint_path_exists (pytorch's), as tests/scripts/fabric_ported.py's:
+    ``trainer.save_checkpoint`` replaces a file or a checkpoint of either form; a directory holding other files is
+    refused on every rank with an ``IsADirectoryError`` and left as it was."""
+    trainers = {}
+    for fmt in ("full", "sharded"):
+        trainers[fmt] = trainer(tmp, strategy=strategy(state_dict_type=fmt), max_steps=1, **LIMITS, **QUIET)
+        trainers[fmt].fit(BoringModel())
+    for fmt, t in trainers.items():
+        base = Path(t.strategy.broadcast(str(tmp / fmt)))
+        other = base / "not-a-checkpoint"
+        if t.global_rank == 0:
+            other.mkdir(parents=True)
+            (other / "notes.txt").write_text("keep")
+            (base / "over-file").write_bytes(b"old")
+        t.strategy.barrier()
+        try:
+            t.save_checkpoint(other)
+            raise AssertionError(f"{fmt}: a save replaced a directory holding other files")
+        except IsADirectoryError as err:
+            assert "exists and is a directory" in str(err) and "notes.txt" in str(err), err
+        assert (other / "notes.txt").read_text() == "keep"
+        for before in ("file", "full", "sharded"):  # what the path holds before this save
+            if before != "file":
+                trainers[before].save_checkpoint(base / f"over-{before}")
+            t.save_checkpoint(base / f"over-{before}")
+            assert (base / f"over-{before}").is_dir() == (fmt == "sharded"), (fmt, before)
+    return {}
+
+
 def case_consolidate(tmp):
     """test_fsdp.py::test_save_sharded_and_consolidate_and_load: the consolidation of the sharded directory gives
     a file DDP resumes from. Lightning's consolidation reads its FSDP layout ("model", "optimizer_0" keys); MiCS's
@@ -467,6 +497,7 @@ CASES = {
     "sharded_sd_boring": lambda tmp, f: case_sharded_sd(tmp, "boring"),
     "sharded_sd_ff": lambda tmp, f: case_sharded_sd(tmp, "ff"),
     "consolidate": lambda tmp, f: case_consolidate(tmp),
+    "save_over": lambda tmp, f: case_save_over(tmp),
     "no_params": lambda tmp, f: case_no_params(tmp),
 }
 
