@@ -138,10 +138,11 @@ def case_train_save_load(tmp, precision):
     return {"params": params(model)}
 
 
-def case_save_full(tmp):
+def case_save_full(tmp, precision):
     """test_save_full_state_dict: one file; it loads into MiCS, into one plain process, and the plain process's
-    own checkpoint loads back into MiCS, each with the optimizer state exactly."""
-    f = fabric(state_dict_type="full")
+    own checkpoint loads back into MiCS, each with the optimizer state exactly; under bf16-mixed too, the file
+    holding the fp32 masters."""
+    f = fabric(precision, state_dict_type="full")
     model, optimizer = _train(f)
     path = Path(f.broadcast(str(tmp / "fsdp-checkpoint.pt")))
     f.save(path, {"model": model, "optimizer": optimizer, "steps": 1})
@@ -149,6 +150,7 @@ def case_save_full(tmp):
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["steps"] == 1
     loaded = checkpoint["model"]
+    assert {v.dtype for v in loaded.values()} == {torch.float32}
     state_dict = model.state_dict()
     assert set(loaded) == set(state_dict), (set(loaded), set(state_dict))
     for name in state_dict:
@@ -158,7 +160,7 @@ def case_save_full(tmp):
     assert set(checkpoint["optimizer"]) == {"state", "param_groups"}
 
     def into_mics(file, rest):
-        f = fabric()
+        f = fabric(precision)
         model, optimizer = _train(f)
         assert f.load(file, {"model": model, "optimizer": optimizer}) == rest
         assert all(torch.equal(p0, p1) for p0, p1 in zip(before, params(model)))
@@ -169,7 +171,7 @@ def case_save_full(tmp):
     f = into_mics(path, {"steps": 1})  # 1. back into MiCS
 
     # 2. into one plain process (each rank alone; rank 0 saves what it then holds)
-    single = fabric(devices=1)
+    single = fabric(precision, devices=1)
     model, optimizer = _train(single)
     assert single.load(path, {"model": model, "optimizer": optimizer}) == {"steps": 1}
     assert all(torch.equal(p0, p1) for p0, p1 in zip(before, model.parameters()))
@@ -512,7 +514,7 @@ def case_compiled_autograd(tmp):
 
 CASES = {
     **{f"train_save_load_{p}": (lambda tmp, _, p=p: case_train_save_load(tmp, p)) for p in ("32-true", "bf16-mixed")},
-    "save_full": lambda tmp, _: case_save_full(tmp),
+    **{f"save_full_{p}": (lambda tmp, _, p=p: case_save_full(tmp, p)) for p in ("32-true", "bf16-mixed")},
     "load_full_into_sharded": lambda tmp, _: case_load_full_into_sharded(tmp),
     **{f"move_to_device_{m}": (lambda tmp, _, m=m: case_move_to_device(tmp, m)) for m in (True, False)},
     "param_groups": lambda tmp, _: case_param_groups(tmp),
