@@ -23,7 +23,7 @@ EQUIV = ["equiv:2:2:sgd:norm:split", "equiv:4:4:adamw:value:joint", "equiv:2:4:a
          "equiv:2:2:adamw:norm:split:32-true:os",  # the optimizer's rows over the 2 replicas
          "equiv:2:2:sgd:torchnorm:split", "equiv:4:2:adamw:torchvalue:joint"]  # torch's clip_grad_*_ on DTensors
 FOUR = [*EQUIV, "count:2:4", "gan:2", "resume:2", "feedback:2", "feedback:2:bf16-mixed", "feedback_load:2:64",
-        "feedback_rows:2", "torchsd:2", "filter:2:sharded", "filter:2:full"]
+        "feedback_rows:2", "torchsd:2", "torchsd:2:bf16-mixed", "filter:2:sharded", "filter:2:full"]
 
 
 @pytest.fixture(scope="module")
@@ -185,13 +185,14 @@ def test_quantize_gradients_under_no_backward_sync_within_the_derived_bound(tmp_
             assert int8["replica_ops"] == 2 * fp32["replica_ops"], (fp32, int8)  # the same sync points, deferred
 
 
-def test_torch_distributed_state_dict_api(four):
+@pytest.mark.parametrize("case", ["torchsd:2", "torchsd:2:bf16-mixed"])
+def test_torch_distributed_state_dict_api(four, case):
     """torch.distributed.checkpoint.state_dict (get/set model and optimizer state dicts) with dcp.save / dcp.load,
-    as torchtitan checkpoints FSDP2, on the strategy's model and optimizer (4 ranks, s = 2): the full state dict
-    equals the strategy's own, and a save loaded back after more steps resumes exactly (optimizer state included:
-    the steps after it repeat bit for bit)."""
+    as torchtitan checkpoints FSDP2, on the strategy's model and optimizer (4 ranks, s = 2; fp32 and bf16-mixed):
+    the full state dict equals the strategy's own, and a save loaded back after more steps resumes exactly
+    (optimizer state included: the steps after it repeat bit for bit)."""
     _, results = four
-    r = results[0]["torchsd:2"]
+    r = results[0][case]
     assert r["full_keys"] and r["full_max"] == 0.0, r
     assert r["moved"] > 1e-3 and r["resumed_max"] == 0.0, r
     # and a full state dict on rank 0 alone, broadcast into the shards (set_model_state_dict with

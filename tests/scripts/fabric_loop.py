@@ -316,14 +316,14 @@ def case_resume(s, precision="32-true"):
     return out
 
 
-def case_torchsd(s):
+def case_torchsd(s, precision="32-true"):
     """torch's distributed state-dict API on the strategy's model and optimizer, as torchtitan checkpoints FSDP2
     (``torch.distributed.checkpoint.state_dict`` + ``dcp.save`` / ``dcp.load``): the full model state dict
     against the strategy's own, and a save at step STEPS/2 loaded back after step STEPS, then trained on again
     to STEPS, against the uninterrupted run."""
-    fabric = new_fabric(int(s))
+    fabric = new_fabric(int(s), precision)
     model, opt, _ = setup(fabric, "split", "adamw")
-    data, half, path = batches(2), STEPS // 2, str(OUT / "torchsd")
+    data, half, path = batches(2), STEPS // 2, str(OUT / f"torchsd-{precision}")
     fabric_steps(fabric, model, opt, data, "norm", 0, half)
     full = SD.get_model_state_dict(model.module, options=SD.StateDictOptions(full_state_dict=True, cpu_offload=True))
     mine = full_state(fabric, model)
