@@ -97,9 +97,10 @@ def _refuse_wrapped(root: nn.Module, runs: List[List[nn.Module]], names: Sequenc
     """A module to checkpoint that torch's ``checkpoint_wrapper`` already checkpoints (inside it, or holding one)
     is refused: Lightning's FSDP strategies warn and drop their option there, but this option would then be
     accepted and ignored, with its grouping and offload."""
+    chosen = {id(b) for r in runs for b in r}
     inside = {id(m) for w in root.modules() if isinstance(w, CheckpointWrapper) for m in w.modules()}
-    wrapped = [n for n, m in root.named_modules() for r in runs for b in r
-               if b is m and (id(m) in inside or any(isinstance(x, CheckpointWrapper) for x in m.modules()))]
+    wrapped = [n for n, m in root.named_modules() if id(m) in chosen
+               and (id(m) in inside or any(isinstance(x, CheckpointWrapper) for x in m.modules()))]
     if wrapped:
         _fail("activation_checkpointing", list(names),
               f"the model already checkpoints {wrapped} with torch's checkpoint_wrapper: checkpointing them again "

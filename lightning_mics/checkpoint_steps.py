@@ -35,7 +35,7 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def agree(error: Optional[str], kind: Type[Exception] = files.CheckpointError) -> None:
+def agree(error: Optional[str], kind: Type[files.CheckpointError] = files.CheckpointError) -> None:
     """Every rank raises the same ``kind`` of CheckpointError if any rank found one ([Note: checks before
     collectives])."""
     if _distributed_is_initialized() and dist.get_world_size() > 1:
@@ -51,9 +51,12 @@ def agree(error: Optional[str], kind: Type[Exception] = files.CheckpointError) -
 def path_and_token(path: Any) -> Tuple[str, str]:
     """Rank 0's path and a fresh token, on every rank, once rank 0 found the path one a save may replace (an
     ``IsADirectoryError`` on every rank otherwise). Collective."""
-    path, token = broadcast((str(path), ckpt.new_token()))
+    path = str(path)
     zero = not _distributed_is_initialized() or dist.get_rank() == 0
-    agree(files.unreplaceable(Path(path)) if zero and "://" not in path else None, IsADirectoryError)
+    error = files.unreplaceable(Path(path)) if zero and "://" not in path else None
+    path, token, error = broadcast((path, ckpt.new_token(), error))  # rank 0's verdict, in the same collective
+    if error:
+        raise IsADirectoryError(error)
     return path, token
 
 

@@ -18,7 +18,7 @@ and the keys on every rank, and the ranks agree before any collective ([Note: ch
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -142,12 +142,11 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     path, full, meta, index = steps.read_checked(path, weights_only, check=check, lightning=False)
     if not state:
         return full if full is not None else ckpt.consolidate(path)
-    if full is not None:
-        _check_keys(state, full, path, strict)
-    else:
+    present: List[str] = []  # a sharded checkpoint's module and optimizer keys
+    if full is None:
         assert meta is not None
-        info = meta[files.MARKER]["fabric"]
-        _check_keys(state, [*info["modules"], *info["optimizers"], *meta], path, strict)
+        present = [*meta[files.MARKER]["fabric"]["modules"], *meta[files.MARKER]["fabric"]["optimizers"]]
+    _check_keys(state, full if full is not None else [*present, *meta], path, strict)
     modules, optimizers, rest = _split(state)
     with torch.inference_mode(False):
         if full is not None:
@@ -161,7 +160,6 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             remainder = full
         else:
             assert meta is not None and index is not None
-            present = [*meta[files.MARKER]["fabric"]["modules"], *meta[files.MARKER]["fabric"]["optimizers"]]
             mods = {k: (m, ENGINES.get(m)) for k, m in modules.items() if k in present}
             opts = {}
             for k, o in optimizers.items():
