@@ -67,6 +67,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     ap.add_argument("--out", default=None, help="folder for the results (default benchmarks/out/cluster/<time>)")
+    ap.add_argument("--queue-ms", type=float, default=100.0,
+                    help="how long a packet may wait in the shaped link's queue (tbf latency), ms")
     ap.add_argument("--sysctl", nargs="+", default=[], metavar="KEY=VALUE",
                     help="net.* settings in both hosts' namespaces, e.g. net.ipv4.tcp_slow_start_after_idle=0")
     ap.add_argument("--report", default=None, help="rebuild table and plot from this folder's runs.jsonl")
@@ -75,6 +77,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--warmup must be >= 1 (a timed step is measured from the previous step's end), got {args.warmup}")
     if args.steps < 1 or args.rounds < 1 or min(args.accum) < 1 or min(args.rates) < 0:
         ap.error("--steps, --rounds and --accum must be >= 1 and --rates >= 0")
+    if not args.queue_ms > 0:
+        ap.error(f"--queue-ms must be > 0 (milliseconds), got {args.queue_ms}")
     from twohosts import check_sysctl
 
     try:
@@ -101,7 +105,8 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     for k in ("width", "layers", "heads", "vocab", "seq", "batch", "steps", "warmup"):
         script += [f"--{k}", str(getattr(args, k))]
     script += ["--timeline"] if args.timeline else []
-    rec: Dict[str, Any] = dict(case=case, rate_mbit=rate, accum=accum, warmup=args.warmup, load=loadavg())
+    rec: Dict[str, Any] = dict(case=case, rate_mbit=rate, accum=accum, warmup=args.warmup, load=loadavg(),
+                               queue_ms=args.queue_ms)
     t0 = time.time()
     with StepMarks(hosts, sock) as marks:
         procs = hosts.torchrun(script, port, folder)
@@ -291,7 +296,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         hosts.sysctl(args.sysctl)
         for rnd in range(args.rounds):
             for rate in args.rates:
-                hosts.shape(rate)
+                hosts.shape(rate, args.queue_ms)
                 mbit = probe(hosts, int((rate or 1600) * 1e6 / 8))  # about 1 s of the link
                 for accum in args.accum:
                     for case in args.cases:

@@ -23,14 +23,16 @@ PATTERNS = ((1, False), (1, True), (2, False), (2, True))  # (streams per direct
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=100.0, help="Mbit/s each way (tc tbf)")
+    ap.add_argument("--queue-ms", type=float, default=100.0, help="tbf's queue (latency) in ms")
     ap.add_argument("--mbytes", type=float, default=71.5, help="MB per direction (a step's link bytes)")
     args = ap.parse_args()
     nbytes, floor = int(args.mbytes * 1e6), args.mbytes * 8 / args.rate
     with TwoHosts("lp") as hosts:
-        hosts.shape(args.rate)
+        hosts.shape(args.rate, args.queue_ms)
         for streams, both in PATTERNS:
             secs = transfer(hosts, nbytes, streams, both)
-            print(json.dumps({"streams": streams, "both_directions": both, "rate_mbit": args.rate, "bytes": nbytes,
+            print(json.dumps({"streams": streams, "both_directions": both, "rate_mbit": args.rate, "queue_ms": args.queue_ms,
+                              "bytes": nbytes,
                               "secs": secs, "floor_s": floor, "efficiency": [floor / x for x in secs]}), flush=True)
 
 

@@ -52,11 +52,13 @@ def per_step(marks: Dict[int, Tuple[int, int]], first: int, last: int) -> List[T
     return [(marks[k][0] - marks[k - 1][0], marks[k][1] - marks[k - 1][1]) for k in range(first, last + 1)]
 
 
-def tbf_args(rate_mbit: float) -> List[str]:
+def tbf_args(rate_mbit: float, queue_ms: float = 100.0) -> List[str]:
     """The tbf qdisc for ``rate_mbit``: a bucket of 4 ms at the rate (at least 64 KiB, so that one GSO packet of
-    the veth fits) and a queue of 100 ms."""
+    the veth fits) and a queue of ``queue_ms`` (how long a packet may wait: tbf's ``latency``)."""
+    if not queue_ms > 0:
+        raise ValueError(f"queue_ms={queue_ms!r}: allowed is a time in milliseconds > 0")
     burst = max(65536, int(rate_mbit * 1e6 / 8 * 0.004))
-    return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", "100ms"]
+    return ["tbf", "rate", f"{rate_mbit:g}mbit", "burst", str(burst), "latency", f"{queue_ms:g}ms"]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -127,13 +129,14 @@ class TwoHosts:
                 if r.returncode:
                     raise RuntimeError(f"sysctl {setting} in {ns}: {r.stderr.strip()}")
 
-    def shape(self, rate_mbit: float) -> None:
-        """Both ends' egress limited to ``rate_mbit`` with tbf; 0: no qdisc (the veth as it is)."""
+    def shape(self, rate_mbit: float, queue_ms: float = 100.0) -> None:
+        """Both ends' egress limited to ``rate_mbit`` with tbf and a queue of ``queue_ms``; 0: no qdisc (the veth
+        as it is)."""
         for ns in self.names:
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", ns, "root"], capture_output=True)
             if rate_mbit:
                 r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ns, "root",
-                                    *tbf_args(rate_mbit)], capture_output=True, text=True)
+                                    *tbf_args(rate_mbit, queue_ms)], capture_output=True, text=True)
                 if r.returncode:
                     raise RuntimeError(f"tc tbf on {ns}: {r.stderr.strip()}")
 

@@ -23,7 +23,8 @@ EQUIV = ["equiv:2:2:sgd:norm:split", "equiv:4:4:adamw:value:joint", "equiv:2:4:a
          "equiv:2:2:adamw:norm:split:32-true:os",  # the optimizer's rows over the 2 replicas
          "equiv:2:2:sgd:torchnorm:split", "equiv:4:2:adamw:torchvalue:joint"]  # torch's clip_grad_*_ on DTensors
 FOUR = [*EQUIV, "count:2:4", "gan:2", "resume:2", "feedback:2", "feedback:2:bf16-mixed", "feedback_load:2:64",
-        "feedback_rows:2", "torchsd:2", "torchsd:2:bf16-mixed", "filter:2:sharded", "filter:2:full"]
+        "feedback_rows:2", "torchsd:2", "torchsd:2:bf16-mixed", "filter:2:sharded", "filter:2:full",
+        "filter:2:sharded:bf16-mixed", "filter:2:full:bf16-mixed"]
 
 
 @pytest.fixture(scope="module")
@@ -200,19 +201,22 @@ def test_torch_distributed_state_dict_api(four, case):
     assert r["broadcast_max"] == 0.0, r
 
 
+@pytest.mark.parametrize("precision", ["", ":bf16-mixed"])
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
-def test_save_with_filter_as_litgpt_saves_lora_weights(four, fmt):
+def test_save_with_filter_as_litgpt_saves_lora_weights(four, fmt, precision):
     """``fabric.save(path, state, filter={"model": fn, "info": fn})`` keeps only the entries the filters accept,
-    in both formats; ``fabric.load(..., strict=False)`` into a fresh model restores exactly those and leaves the
-    rest as they were; ``strict=True`` names the missing ones; a filter on an optimizer is refused on every rank
-    before any collective."""
+    in both formats, and under bf16-mixed the fp32 masters; ``fabric.load(..., strict=False)`` into a fresh model
+    restores exactly those and leaves the rest as they were; ``strict=True`` names the missing ones; a filter on
+    an optimizer is refused on every rank before any collective."""
     _, results = four
-    r0 = results[0][f"filter:2:{fmt}"]
+    case = f"filter:2:{fmt}{precision}"
+    r0 = results[0][case]
     assert r0["saved"] == r0["kept"] == ["blocks.0.down.bias", "blocks.0.down.weight", "blocks.0.up.bias",
                                          "blocks.0.up.weight"], r0
+    assert r0["saved_dtypes"] == ["torch.float32"] and r0["saved_equal"] == 0.0, r0
     assert r0["differs"] > 1e-3 and r0["from_ckpt"] == 0.0 and r0["untouched"] == 0.0, r0
     for r in results:
-        r = r[f"filter:2:{fmt}"]
+        r = r[case]
         assert r["info"] == {"a": 1}, r
         assert ("missing ['emb.weight'" if fmt == "sharded" else 'Missing key(s) in state_dict: "emb.weight"') \
             in r["strict_error"], r  # full: torch's own error (the load runs through load_state_dict)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "scripts" / "compat.py"
 CASES = ["manual1", "manual_accum", "manual2", "calls_itself", "summary", "bf16", "fail_refit", "stays_sharded",
          "stays_sharded_bf16", "resume_bf16", "some_ranks", "adamw_foreach", "adamw_fused", "user_checkpoint",
-         "lr_find"]
+         "lr_find", "lr_find_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +174,22 @@ def test_learning_rate_finder_equals_ddp(runs, kind, world):
     assert got["suggestion"] == ref["suggestion"] == got["lr"], (got["suggestion"], ref["suggestion"])
     assert got["leftover"] == [], got["leftover"]
     assert_params_close(got["params"], ref["params"], 1e-6)
+
+
+@pytest.mark.parametrize("kind, world", MICS)
+def test_learning_rate_finder_under_bf16_restores_the_fp32_masters(runs, kind, world):
+    """The same under ``precision="bf16-mixed"``: after the finder the module holds its fp32 initial values bit
+    for bit (a restore through bf16 would round them); fit after it equals the same fit without the finder; the
+    suggestion is DDP's or its neighbour on the finder's grid (the bf16 forward rounds differently under MiCS,
+    which gathers the parameters in bf16, than under DDP's autocast, see test_bf16_mixed_returns_fp32_masters)."""
+    got, ref = load(runs, kind, world, "lr_find_bf16"), load(runs, "ddp", world, "lr_find_bf16")
+    assert got["restored"] == 0.0 and got["restored_dtypes"] == ["torch.float32"], got
+    assert got["leftover"] == [] and got["suggestion"] == got["lr"], got
+    grid, n = got["candidates"], min(len(got["candidates"]), len(ref["candidates"]))  # shorter if it diverged
+    assert grid[:n] == ref["candidates"][:n], (grid, ref["candidates"])
+    assert abs(grid.index(got["suggestion"]) - ref["candidates"].index(ref["suggestion"])) <= 1, \
+        (got["suggestion"], ref["suggestion"])
+    assert_params_close(got["params"], got["without_finder"], 1e-6)
 
 
 @pytest.mark.parametrize("kind, world", MICS)

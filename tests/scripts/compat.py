@@ -442,6 +442,24 @@ def run_case(case, kind, world, rank, out):
         result.update(suggestion=found.suggestion(), lr=m.lr,
                       leftover=sorted(p.name for p in root.iterdir() if "lr_find" in p.name))
         trainer.fit(m, data)
+    elif case == "lr_find_bf16":  # the same under bf16-mixed: its restore must bring back the fp32 masters
+        m = TunedLR()
+        initial = params(m)
+        root = Path(out) / f"lr_find_bf16_{kind}"
+        trainer = trainer_for(kind, world, max_steps=3, default_root_dir=str(root), precision="bf16-mixed")
+        data = loader(classification_data(40 * world * BATCH), kind, world, rank)
+        found = Tuner(trainer).lr_find(m, train_dataloaders=data, min_lr=1e-4, max_lr=1.0, num_training=20)
+        restored = params(m)
+        result.update(suggestion=found.suggestion(), lr=m.lr, candidates=list(found.results["lr"]),
+                      leftover=sorted(p.name for p in root.iterdir() if "lr_find" in p.name),
+                      restored=max((restored[k] - v).abs().max().item() for k, v in initial.items()),
+                      restored_dtypes=sorted({str(t.dtype) for t in restored.values()}))
+        trainer.fit(m, data)
+        L.seed_everything(0, verbose=False)
+        plain = TunedLR()  # the control: the same fit at the same rate, without the finder before it
+        plain.lr = m.lr
+        trainer_for(kind, world, max_steps=3, precision="bf16-mixed").fit(plain, data)
+        result["without_finder"] = params(plain)
     elif case == "resume_bf16":
         ds = classification_data(3 * world * BATCH)  # 3 batches per epoch
         m = BF16()

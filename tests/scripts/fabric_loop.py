@@ -351,15 +351,16 @@ def case_torchsd(s, precision="32-true"):
             "broadcast_max": max((broadcast[k] - mine[k]).abs().max().item() for k in mine)}
 
 
-def case_filter(s, fmt):
+def case_filter(s, fmt, precision="32-true"):
     """``fabric.save(path, state, filter=...)`` as litgpt saves LoRA weights: only the first block's parameters
     (and a dict entry's kept items), then loaded with ``strict=False`` into a fresh model (another init): the kept
     tensors come from the checkpoint, the others keep the fresh model's values; ``strict=True`` names what is
-    missing; consolidated (or torch.load'ed) the checkpoint holds only the kept names."""
-    fabric = new_fabric(int(s), state_dict_type=fmt)
+    missing; consolidated (or torch.load'ed) the checkpoint holds only the kept names (under bf16-mixed, the fp32
+    masters)."""
+    fabric = new_fabric(int(s), precision, state_dict_type=fmt)
     model, opt, _ = setup(fabric, "split", "adamw")
     fabric_steps(fabric, model, opt, batches(2), "none", 0, 2)
-    path = OUT / f"filtered-{fmt}" if fmt == "sharded" else OUT / "filtered-full.pt"
+    path = OUT / f"filtered-{fmt}-{precision}" if fmt == "sharded" else OUT / f"filtered-full-{precision}.pt"
     keep = lambda name, value: name.startswith("blocks.0.")  # noqa: E731
     fabric.save(path, {"model": model, "info": {"a": 1, "b": 2}}, filter={"model": keep, "info": lambda k, v: k == "a"})
     trained = full_state(fabric, model)
@@ -375,7 +376,7 @@ def case_filter(s, fmt):
     except Exception as e:  # noqa: BLE001
         strict_error = f"{type(e).__name__}: {e}"
     try:  # refused before any collective, on every rank
-        fabric.save(OUT / "never", {"model": model, "optimizer": opt}, filter={"optimizer": keep})
+        fabric.save(OUT / f"never-{precision}", {"model": model, "optimizer": opt}, filter={"optimizer": keep})
         bad_error = None
     except ValueError as e:
         bad_error = str(e)
@@ -383,6 +384,8 @@ def case_filter(s, fmt):
     if fabric.global_rank == 0:
         saved = lightning_mics.consolidate(path)["model"] if fmt == "sharded" else torch.load(path)["model"]
         out.update(saved=sorted(saved), kept=sorted(k for k in trained if keep(k, None)),
+                   saved_dtypes=sorted({str(v.dtype) for v in saved.values()}),
+                   saved_equal=max((saved[k] - trained[k]).abs().max().item() for k in saved),
                    from_ckpt=max((loaded[k] - trained[k]).abs().max().item() for k in trained if keep(k, None)),
                    untouched=max((loaded[k] - init[k]).abs().max().item() for k in init if not keep(k, None)),
                    differs=min((init[k] - trained[k]).abs().max().item() for k in init if keep(k, None)))

@@ -7,11 +7,15 @@ activation-checkpointed, ``no_backward_sync`` while accumulating, ``clip_gradien
 with ``fabric.save(path, {"model": model}, filter={"model": lora_filter})``. Rank 0 trains a plain process from
 the same starting state on the same global batches and compares.
 
-    python litgpt_lora.py --out DIR --world W --s S --format sharded|full
+    python litgpt_lora.py --out DIR --world W --s S --format sharded|full [--precisions 32-true bf16-true ...]
+
+One launch runs each precision in turn (a Fabric each); the result file holds one entry per precision.
 """
 
 import argparse
+import copy
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,20 +54,15 @@ def steps(fabric, model, optimizer, data):
             optimizer.zero_grad()
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--s", type=int, required=True)
-    ap.add_argument("--format", default="sharded")
-    args = ap.parse_args()
-    out = Path(args.out)
+def run(args, precision: str, out: Path) -> dict:
+    """One finetuning run in ``precision``; rank 0's comparison with the plain process (other ranks: {})."""
+    out.mkdir(parents=True, exist_ok=True)
     strategy = MiCSStrategy(sharded_data_parallel_degree=args.s, shard_units=[Block], activation_checkpointing=[Block],
                             param_persistence_threshold=0, state_dict_type=args.format)
-    fabric = L.Fabric(accelerator="cpu", devices=args.world, strategy=strategy)
+    fabric = L.Fabric(accelerator="cpu", devices=args.world, strategy=strategy, precision=precision)
     fabric.launch()
     cfg = config()
-    pretrained = out / "pretrained.pt"  # a plain GPT's state_dict(), as litgpt's lit_model.pth
+    pretrained = out / "pretrained.pt"  # a plain GPT's state_dict() in fp32, as litgpt's lit_model.pth
     if fabric.global_rank == 0:
         torch.manual_seed(0)
         torch.save(litgpt.model.GPT(cfg).state_dict(), pretrained)
@@ -84,29 +83,93 @@ def main():
     final = fabric.strategy.get_module_state_dict(model.module)
     saved = out / ("lora" if args.format == "sharded" else "lora.pt")
     fabric.save(saved, {"model": model}, filter={"model": lora_filter})
-    res = {}
-    if rank == 0:
-        ref = GPT(cfg)
-        ref.load_state_dict(init)
-        mark_only_lora_as_trainable(ref)
-        ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.02)
-        for it, batch in enumerate(data, start=1):
-            (chunked_cross_entropy(ref(batch[:, :-1]), batch[:, 1:]) / ACCUM).backward()
-            if it % ACCUM == 0:
-                torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 1.0)
-                ref_opt.step()
-                ref_opt.zero_grad()
-        lora = {n for n, p in ref.named_parameters() if p.requires_grad}
-        expected = GPT(cfg)  # what load_state_dict(strict=False) makes of the file in one process (litgpt's
-        expected.load_state_dict(torch.load(pretrained), strict=False)  # names remapped to LoRA's wrapped layers)
-        plain = {k: v for k, v in expected.state_dict().items() if k not in lora}
-        file = lightning_mics.consolidate(saved) if args.format == "sharded" else torch.load(saved)
-        res = {"pretrained_loaded": max((init[k] - v).abs().max().item() for k, v in plain.items()),
-               "frozen_moved": max((final[k] - init[k]).abs().max().item() for k in init if k not in lora),
-               "lora_moved": min((final[k] - init[k]).abs().max().item() for k in lora if "lora_B" in k),
-               "lora_rel": max(((final[k] - ref.state_dict()[k]).norm() / ref.state_dict()[k].norm()).item()
-                               for k in lora),
-               "n_lora": len(lora), "saved": sorted(file["model"]), "lora_names": sorted(lora)}
+    fabric.barrier()
+    if rank != 0:
+        return {}
+    ref = reference(cfg, init, data, precision, fabric.strategy.precision, None)
+    emulated = reference(cfg, init, data, precision, fabric.strategy.precision, args.world)
+    lora = {n for n, p in ref.named_parameters() if p.requires_grad}
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    expected = GPT(cfg).to(dtype)  # what load_state_dict(strict=False) makes of the fp32 file in one process
+    expected.load_state_dict(torch.load(pretrained), strict=False)  # (names remapped to LoRA's wrapped layers)
+    plain = {k: v for k, v in expected.state_dict().items() if k not in lora}
+    file = lightning_mics.consolidate(saved) if args.format == "sharded" else torch.load(saved)
+    want, emul = ref.state_dict(), emulated.state_dict()
+    flat = lambda d: torch.cat([d[k].float().reshape(-1) for k in sorted(lora)])  # noqa: E731
+    rel = lambda a, b: ((flat(a) - flat(b)).norm() / flat(b).norm()).item()  # noqa: E731
+    return {"pretrained_loaded": max((init[k] - v).abs().max().item() for k, v in plain.items()),
+            "frozen_moved": max((final[k] - init[k]).abs().max().item() for k in init if k not in lora),
+            "lora_moved": min((final[k] - init[k]).abs().max().item() for k in lora if "lora_B" in k),
+            "lora_rel": max(((final[k] - want[k]).float().norm() / want[k].float().norm()).item() for k in lora),
+            "lora_rel_global": rel(final, want), "emulated_rel_global": rel(final, emul),
+            "emulated_rel": max(((final[k] - emul[k]).float().norm() / emul[k].float().norm()).item() for k in lora),
+            "emulated_vs_plain": rel(emul, want),
+            "saved_equal": max((file["model"][k] - final[k]).abs().max().item() for k in lora),
+            "dtypes": sorted({str(t.dtype) for t in final.values()}),
+            "saved_dtypes": sorted({str(t.dtype) for t in file["model"].values()}),
+            "n_lora": len(lora), "saved": sorted(file["model"]), "lora_names": sorted(lora)}
+
+
+def reference(cfg, init, data, precision, plugin, world):
+    """One plain process from ``init`` on the same global batches, forward inside Fabric's own precision context
+    (``plugin``: autocast for bf16-mixed, bf16 default dtype for bf16-true) and its output converted as Fabric
+    converts it. ``world`` None: the whole micro-batch at once, the gradients accumulating in the parameters' dtype
+    (what a user's single-process run does). ``world`` W: what the precision says MiCS computes, each rank's share
+    of the micro-batch forward and backward on bf16 copies of the parameters (param_dtype), their gradients summed
+    in fp32 (reduce_dtype) over ranks and micro-batches, cast to the parameters' dtype for clipping and the step.
+    The two differ only in the order of fp32 sums from the MiCS run, and in roundings from the plain one."""
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    ref = GPT(cfg)
+    for p in ref.parameters():  # the buffers (litgpt's rope cache) stay fp32, as the meta-initialized module's
+        p.data = p.data.to(dtype)  # reset_parameters rebuilds them (under FSDP alike)
+    ref.load_state_dict(init)
+    mark_only_lora_as_trainable(ref)
+    trainable = {n: p for n, p in ref.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW(trainable.values(), lr=1e-2, weight_decay=0.02)
+    acc = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in trainable.items()}
+    chunks = 1 if world is None else world
+    compute = torch.float32 if precision == "32-true" else torch.bfloat16
+    for it, batch in enumerate(data, start=1):
+        for part in batch.chunk(chunks):
+            work = ref if world is None else copy.deepcopy(ref)
+            if world is not None:  # the parameters in param_dtype; buffers (litgpt's rope cache) as they are
+                for p in work.parameters():
+                    p.data = p.data.to(compute)
+            with plugin.forward_context():
+                logits = work(part[:, :-1])
+            loss = chunked_cross_entropy(plugin.convert_output(logits), part[:, 1:]) * (part.size(0) / batch.size(0))
+            (loss / ACCUM).backward()
+            if world is not None:
+                for n, p in work.named_parameters():
+                    if p.requires_grad:
+                        acc[n] += p.grad.float()
+        if it % ACCUM == 0:
+            if world is not None:
+                for n, p in trainable.items():
+                    p.grad = acc[n].to(p.dtype, copy=True)
+                    acc[n].zero_()
+            grads = [p.grad for p in trainable.values()]
+            if world is None:
+                torch.nn.utils.clip_grad_norm_(list(trainable.values()), 1.0)
+            else:  # the norm in fp32 over the (bf16) gradients, as the sharded clip computes it
+                total = torch.stack([g.float().norm() for g in grads]).norm()
+                torch._foreach_mul_(grads, torch.clamp(1.0 / (total + 1e-6), max=1.0))
+            opt.step()
+            opt.zero_grad()
+    return ref
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--s", type=int, required=True)
+    ap.add_argument("--format", default="sharded")
+    ap.add_argument("--precisions", nargs="+", default=["32-true"])
+    args = ap.parse_args()
+    out = Path(args.out)
+    res = {precision: run(args, precision, out / precision) for precision in args.precisions}
+    rank = int(os.environ["RANK"])
     (out / f"result{rank}.json").write_text(json.dumps(res))
 
 
