@@ -17,8 +17,8 @@ PRECISIONS = ["32-true", "bf16-mixed"]  # Fabric runs "16-mixed" as bf16 AMP on 
 CASES = (["train_save_load_32-true", "train_save_load_bf16-mixed", "save_full_32-true", "save_full_bf16-mixed",
           "load_full_into_sharded",
           "move_to_device_True", "move_to_device_False", "param_groups", "reapply_compile", "init_32-true",
-          "init_16-true", "init_bf16-true", "save_filter", "manual_ac", "consolidate", "load_raw_module_state",
-          "save_over", "compiled_autograd"]
+          "init_16-true", "init_bf16-true", "save_filter", "manual_ac", "consolidate_32-true",
+          "consolidate_bf16-mixed", "consolidate_bf16-true", "load_raw_module_state", "save_over", "compiled_autograd"]
          + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS])
 
 
@@ -43,7 +43,8 @@ def test_train_save_load(ported, precision):
     result(ported, f"train_save_load_{precision}")
 
 
-@pytest.mark.parametrize("name", ["save_full_32-true", "save_full_bf16-mixed", "load_full_into_sharded", "consolidate",
+@pytest.mark.parametrize("name", ["save_full_32-true", "save_full_bf16-mixed", "load_full_into_sharded",
+                                  "consolidate_32-true", "consolidate_bf16-mixed", "consolidate_bf16-true",
                                   "load_raw_module_state"])
 def test_full_state_round_trips(ported, name):
     """A full file loads into MiCS, into one plain process, and back (parameters and optimizer state exactly); a

@@ -374,31 +374,35 @@ def case_clip(tmp, kind, precision):
     return out
 
 
-def case_consolidate(tmp):
+def case_consolidate(tmp, precision):
     """test_save_sharded_and_consolidate_and_load: the directory consolidated with Lightning's own
     ``_load_distributed_checkpoint`` (the optimizer state keyed by parameter name, as ModelParallel's) loads
-    into a new model and resumes exactly; ``lightning_mics.consolidate`` gives the same parameters."""
+    into a new model and resumes exactly; ``lightning_mics.consolidate`` gives the same parameters, in the
+    precision's storage dtype (bf16-mixed: the fp32 masters; bf16-true: bf16)."""
     from lightning_mics import consolidate
 
-    f = fabric()
+    f = fabric(precision)
     model = f.setup(FeedForward())
     optimizer = f.setup_optimizers(torch.optim.Adam(model.parameters()))
     f.backward(model(torch.rand(1, 32, generator=torch.Generator().manual_seed(0))).sum())
     optimizer.step()
-    sharded = Path(f.broadcast(str(tmp / "checkpoint_sharded")))
+    sharded = Path(f.broadcast(str(tmp / f"checkpoint_sharded_{precision}")))
     f.save(sharded, {"model": model, "optimizer": optimizer, "steps": 1})
     assert set(os.listdir(sharded)) == DIST_FILES, os.listdir(sharded)
     before, opt_before = params(model), opt_state(model, optimizer)
-    path = Path(f.broadcast(str(tmp / "checkpoint_full.pt")))
+    stored = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    assert {p.dtype for p in before} == {stored}, {p.dtype for p in before}
+    path = Path(f.broadcast(str(tmp / f"checkpoint_full_{precision}.pt")))
     if f.global_rank == 0:
         checkpoint = _load_distributed_checkpoint(sharded)
         ours = consolidate(sharded)
+        assert sorted(ours["model"]) == sorted(checkpoint["model"]), (list(ours["model"]), list(checkpoint["model"]))
         for name, value in ours["model"].items():
-            assert torch.equal(checkpoint["model"][name], value), name
+            assert value.dtype == stored and torch.equal(checkpoint["model"][name], value), name
         torch.save(checkpoint, path)
     f.barrier()
 
-    f = fabric()
+    f = fabric(precision)
     model = f.setup(FeedForward())
     optimizer = f.setup_optimizers(torch.optim.Adam(model.parameters()))
     state = {"model": model, "optimizer": optimizer, "steps": 0}
@@ -524,7 +528,8 @@ CASES = {
     "manual_ac": lambda tmp, _: case_manual_ac(tmp),
     **{f"clip_{k}_{p}": (lambda tmp, _, k=k, p=p: case_clip(tmp, k, p))
        for k in ("norm", "val") for p in ("32-true", "bf16-mixed")},
-    "consolidate": lambda tmp, _: case_consolidate(tmp),
+    **{f"consolidate_{p}": (lambda tmp, _, p=p: case_consolidate(tmp, p))
+       for p in ("32-true", "bf16-mixed", "bf16-true")},
     "load_raw_module_state": lambda tmp, _: case_load_raw_module_state(tmp),
     "save_over": lambda tmp, _: case_save_over(tmp),
     "compiled_autograd": lambda tmp, _: case_compiled_autograd(tmp),
