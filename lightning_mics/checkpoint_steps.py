@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Type
 
 import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.distributed import _distributed_is_initialized
 from lightning.fabric.utilities.distributed import group as _group
 from torch.distributed.checkpoint.metadata import Metadata
@@ -69,15 +70,23 @@ def refuse_remote_sharded(path: str, storage_options: Any) -> None:
 
 
 def write_full(checkpoint: Dict[str, Any], path: str, token: str, save: Callable[[Dict[str, Any], Any], None],
-               is_rank_zero: bool) -> None:
+               is_rank_zero: bool, io: Any = None) -> None:
     """Rank 0 writes one file with ``save(checkpoint, where)``: a local path under a temporary name, published
-    by one rename; a remote one (``scheme://``) directly."""
+    by one rename; a remote one (``scheme://``) directly. So does a ``CheckpointIO`` plugin other than Lightning's
+    default (``io``): it gets the user's path, as under DDP, since it may write later (Lightning's
+    ``AsyncCheckpointIO``) or elsewhere, and a rename cannot follow it; a checkpoint of either form at the path
+    is removed first, and the write's crash safety is the plugin's."""
     if not is_rank_zero:
         return
     if "://" in path:
         save(checkpoint, path)
         return
     target = Path(path)
+    if io is not None and type(io) is not TorchCheckpointIO:
+        files.prepare(target, token)
+        files.remove(target)
+        save(checkpoint, target)
+        return
     files.prepare(target, token)
     tmp = files.temporary(target, token)
     save(checkpoint, tmp)

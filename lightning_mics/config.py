@@ -19,6 +19,7 @@ reduction dtypes, one-hop or two-hop gather) before the engine is built.
 from __future__ import annotations
 
 import inspect
+from datetime import timedelta
 from dataclasses import dataclass, field, fields, make_dataclass, replace
 from typing import Any, Callable, Dict, List, Optional
 
@@ -143,7 +144,7 @@ class MiCSConfig:
     reduce_dtype: Optional[str] = None
     kernels: str = "auto"
     state_dict_type: str = "sharded"  # checkpoints: a DCP directory of shards, or "full": one file by rank 0
-    timeout: float = 1800.0
+    timeout: float = 1800.0  # seconds; a datetime.timedelta is taken too
     stop_on_nonfinite: bool = False  # raise on every rank at the first non-finite loss or gradient norm
     # [Note: quantized traffic]: int8 blocks on the slow hop
     quantize_gradients: Any = False  # False | True | "error_feedback": the replica all-reduce in int8 blocks
@@ -211,8 +212,11 @@ class MiCSConfig:
             _fail("state_dict_type", self.state_dict_type,
                   "'sharded' (a directory: every rank writes its shards through torch.distributed.checkpoint) or "
                   "'full' (one file, gathered on rank 0); both load under any layout")
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or self.timeout <= 0:
-            _fail("timeout", self.timeout, "a positive number of seconds")
+        given = self.timeout  # seconds, or a timedelta as Lightning's own strategies take it
+        seconds = given.total_seconds() if isinstance(given, timedelta) else given
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+            _fail("timeout", given, "a positive number of seconds or a positive datetime.timedelta")
+        self.timeout = float(seconds)
         if not isinstance(self.stop_on_nonfinite, bool):
             _fail("stop_on_nonfinite", self.stop_on_nonfinite, "True or False")
         self.quantization_block_size = check_quantization(

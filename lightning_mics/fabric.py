@@ -71,6 +71,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self.options: MiCSOptions = config_from(options).freeze()  # [Note: one option list] in config.py
+        F.check_checkpoint_io(self.options, checkpoint_io)
         if self.options.tensor_parallel_degree != 1:
             _fail("tensor_parallel_degree", self.options.tensor_parallel_degree,
                   "1 (a tensor-parallel plan is applied by the Trainer strategy's configure_model)")
@@ -84,6 +85,11 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._warned_flat = False
         self._backward_sync_control = _MiCSBackwardSync()
         self.comm_stats: Dict[str, float] = {}
+
+    @ParallelStrategy.checkpoint_io.setter  # type: ignore[attr-defined]
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:  # L.Fabric(plugins=[io]) sets it here
+        F.check_checkpoint_io(self.options, io)
+        self._checkpoint_io = io
 
     # -- layout -----------------------------------------------------------------------------------------------
     @property

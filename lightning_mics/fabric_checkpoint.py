@@ -18,10 +18,11 @@ and the keys on every rank, and the ranks agree before any collective ([Note: ch
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.types import _Stateful
 from torch.optim import Optimizer
 
@@ -109,7 +110,7 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
             meta[k] = ckpt.full_optimizer_state(engine, o, dst=0) if engine is not None else o.state_dict()
     io = strategy.checkpoint_io  # no marker: the file is the dict one plain process saves
     steps.write_full(meta, path, token, lambda c, p: io.save_checkpoint(c, p, storage_options=storage_options),
-                     strategy.is_global_zero)
+                     strategy.is_global_zero, io=io)
 
 
 def _check_keys(state: Dict[str, Any], keys: Any, path: Path, strict: bool) -> None:
@@ -131,7 +132,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     state, the whole checkpoint (a directory consolidated in this process). ``fabric.load_raw``: ``state`` is a
     module or an optimizer and the file its plain ``state_dict()``."""
     if isinstance(state, (nn.Module, Optimizer)):
-        return _load_raw(path, state, strict, weights_only)
+        return _load_raw(strategy, path, state, strict, weights_only)
     state = state or {}
 
     def check(p: Path, meta: Dict[str, Any]) -> Optional[str]:
@@ -139,7 +140,8 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             return f"{p}: written by the Trainer strategy (trainer.save_checkpoint); fabric.load reads fabric.save's."
         return None
 
-    path, full, meta, index = steps.read_checked(path, weights_only, check=check, lightning=False)
+    path, full, meta, index = steps.read_checked(path, weights_only, loader=_plugin_loader(strategy, weights_only),
+                                                 check=check, lightning=False)
     if not state:
         return full if full is not None else ckpt.consolidate(path)
     present: List[str] = []  # a sharded checkpoint's module and optimizer keys
@@ -184,8 +186,17 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     return remainder
 
 
-def _load_raw(path: Any, obj: Union[nn.Module, Optimizer], strict: bool, weights_only: Optional[bool]) -> Dict:
-    path, full, _, _ = steps.read_checked(path, weights_only, lightning=False)
+def _plugin_loader(strategy: Strategy, weights_only: Optional[bool]) -> Optional[Callable[[Path], Any]]:
+    """A user's CheckpointIO plugin reads the full files it wrote (``frontend.check_checkpoint_io``); without one,
+    ``torch.load`` as the checks choose it."""
+    io = strategy.checkpoint_io
+    return None if type(io) is TorchCheckpointIO else (lambda p: io.load_checkpoint(p, weights_only=weights_only))
+
+
+def _load_raw(strategy: Strategy, path: Any, obj: Union[nn.Module, Optimizer], strict: bool,
+              weights_only: Optional[bool]) -> Dict:
+    path, full, _, _ = steps.read_checked(path, weights_only, loader=_plugin_loader(strategy, weights_only),
+                                          lightning=False)
     if full is None:
         raise files.CheckpointError(f"{path}: fabric.load_raw reads one file holding a plain state_dict(), not a "
                                     "directory; fabric.load(path, {{...}}) reads a sharded checkpoint.")

@@ -153,6 +153,19 @@ def check_precision(options: MiCSOptions, precision: Optional[str]) -> None:
                          "rank and lowers the scale); True with any other precision.")
 
 
+def check_checkpoint_io(options: MiCSOptions, io: Any) -> None:
+    """A ``CheckpointIO`` plugin writes and reads the one file of ``state_dict_type="full"``; the sharded form is
+    written by every rank through torch.distributed.checkpoint, where a plugin would be ignored: refused there
+    (both front ends, when the plugin is given: before any process starts). Lightning's default is allowed."""
+    from lightning.fabric.plugins import TorchCheckpointIO
+
+    if io is not None and type(io) is not TorchCheckpointIO and options.state_dict_type == "sharded":
+        raise ValueError(f"MiCSStrategy got checkpoint_io={type(io).__name__} with state_dict_type='sharded': "
+                         "allowed is a CheckpointIO plugin only with state_dict_type='full' (one file, written "
+                         "through the plugin by rank 0); sharded checkpoints are written by every rank through "
+                         "torch.distributed.checkpoint, which the plugin would not see.")
+
+
 def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, device_type: str) -> Topology:
     """The (replicate, shard[, tp]) mesh for this world. Collective: call after the process group exists.
     With ``shard_optimizer_state`` and s = 1 the shards go over all W ranks ([Note: optimizer-state-only

@@ -86,6 +86,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.options: MiCSOptions = config_from(options).freeze()  # [Note: one option list] in config.py
+        F.check_checkpoint_io(self.options, checkpoint_io)
         # class names resolve now, before any process or collective, with the option named in the error
         resolve_classes(self.options.shard_units, "shard_units")
         resolve_classes(self.options.activation_checkpointing, "activation_checkpointing")
@@ -103,6 +104,11 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self.comm_stats: Dict[str, float] = {}
 
     config = property(lambda self: self.options, doc="The options (``self.options``), read-only.")
+
+    @ParallelStrategy.checkpoint_io.setter  # type: ignore[attr-defined]
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:  # Trainer(plugins=[io]) sets it here
+        F.check_checkpoint_io(self.options, io)
+        self._checkpoint_io = io
 
     def _warn_flat(self, message: str) -> None:
         self._warned_flat = True  # once per strategy

@@ -59,6 +59,9 @@ CASES = [
     ("state-dict-type-x", INIT, {"state_dict_type": "x"}, [], ["state_dict_type='x'", "allowed is 'sharded'", "'full'"]),
     ("timeout-zero", INIT, {"timeout": 0}, [], ["timeout=0", "allowed is a positive number of seconds"]),
     ("start-method-thread", INIT, {"start_method": "thread"}, [], ["start_method='thread'", "allowed is one of"]),
+    ("checkpoint-io-sharded", INIT, {}, ["--async-io"],  # the plugin would not see a sharded save
+     ["checkpoint_io=AsyncCheckpointIO with state_dict_type='sharded'", "allowed is a CheckpointIO plugin only with "
+      "state_dict_type='full'"]),
     # combinations (MiCSConfig.__post_init__)
     ("offload-without-checkpointing", INIT, {"activation_offload": True}, [],
      ["activation_offload=True", "allowed is True only together with activation_checkpointing"]),

@@ -18,7 +18,8 @@ CASES = (["train_save_load_32-true", "train_save_load_bf16-mixed", "save_full_32
           "load_full_into_sharded",
           "move_to_device_True", "move_to_device_False", "param_groups", "reapply_compile", "init_32-true",
           "init_16-true", "init_bf16-true", "save_filter", "manual_ac", "consolidate_32-true",
-          "consolidate_bf16-mixed", "consolidate_bf16-true", "load_raw_module_state", "save_over", "compiled_autograd"]
+          "consolidate_bf16-mixed", "consolidate_bf16-true", "load_raw_module_state", "save_over", "compiled_autograd",
+          "checkpoint_io"]
          + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS])
 
 
@@ -91,3 +92,9 @@ def test_save_over_an_existing_path(ported):
     every rank with an ``IsADirectoryError`` and left as it was (a save publishes a whole directory in its place)."""
     r = result(ported, "save_over")
     assert r["full"] == r["sharded"] == ["not-a-checkpoint", "over-file", "over-full", "over-sharded"], r
+
+
+def test_checkpoint_io_plugin(ported):
+    """A CheckpointIO plugin saves and loads the full form through the user's path (rank 0 saves, every rank
+    loads, exactly); with sharded checkpoints, which it would not see, it is refused when Fabric is made."""
+    result(ported, "checkpoint_io")

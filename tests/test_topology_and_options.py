@@ -1,13 +1,17 @@
-"""Layout of groups (pure, no processes) and option validation (raised before any collective)."""
+"""Layout of groups (pure, no processes) and option validation (raised before any collective); the timeout
+option reaching the process group (real ranks)."""
 
 import inspect
+from datetime import timedelta
 
 import lightning as L
 import pytest
 
 import lightning_mics
 from lightning_mics import MiCSConfig, MiCSStrategy
+from lightning_mics import fabric as mics_fabric
 from lightning_mics.topology import plan_layout
+from tests.helpers.launch import REPO, run_ranks
 
 
 @pytest.mark.parametrize("s", [2, 4, 8])
@@ -70,3 +74,21 @@ def test_bad_shard_units_class_name():
 
     with pytest.raises(ValueError, match="shard_units"):
         resolve_classes(["no.such.Block"], "shard_units")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("front, given", [("fabric", "timedelta"), ("trainer", "timedelta"), ("trainer", "seconds")])
+def test_timeout_reaches_the_process_group(tmp_path, front, given):
+    """``timeout`` in seconds or as a ``datetime.timedelta`` (what Lightning's own strategies take): the process
+    group the strategy creates waits that long in a collective, on every rank."""
+    results = run_ranks(REPO / "tests" / "scripts" / "pg_timeout.py", 2,
+                        ["--front", front, "--timeout", given], tmp_path)
+    assert [r["pg_timeout_s"] for r in results] == [33.0, 33.0], results
+
+
+def test_timeout_as_timedelta_is_seconds_and_a_bad_one_names_it():
+    assert MiCSConfig(timeout=timedelta(minutes=2)).timeout == 120.0
+    assert mics_fabric.MiCSStrategy(timeout=timedelta(seconds=5)).options.timeout == 5.0
+    with pytest.raises(ValueError, match=r"timeout=datetime.timedelta\(days=-1.*allowed is a positive number of "
+                                         r"seconds or a positive datetime.timedelta"):
+        MiCSStrategy(timeout=timedelta(seconds=-1))

@@ -516,6 +516,32 @@ def case_compiled_autograd(tmp):
     return {"diff": against_plain(f, compiled, optimizer, plain, ref, 16, lambda y: y.square().mean())}
 
 
+def case_checkpoint_io(tmp):
+    """test_fsdp.py / test_model_parallel.py::test_checkpoint_io_unsupported, as MiCS decides it (the Trainer's in
+    tests/scripts/lightning_ported.py): with ``state_dict_type="full"`` a CheckpointIO plugin gets the user's path
+    on rank 0 and every rank loads through it, exactly; with the sharded form it is refused when Fabric is made."""
+    io = lp.RecordingIO()
+    f = L.Fabric(accelerator="cpu", devices=2, plugins=[io], strategy=MiCSStrategy(
+        param_persistence_threshold=0, state_dict_type="full"))
+    f.launch()
+    model, optimizer = _train(f)
+    path = Path(f.broadcast(str(tmp / "io" / "full.pt")))
+    f.save(path, {"model": model, "optimizer": optimizer, "steps": 1})
+    assert io.saved == ([str(path)] if f.global_rank == 0 else []), io.saved
+    before = params(model)
+    fresh = f.setup(FeedForward())
+    state = {"model": fresh, "steps": 0}
+    f.load(path, state, strict=False)
+    assert str(path) in io.loaded and state["steps"] == 1, (io.loaded, state)
+    assert all(torch.equal(a, b) for a, b in zip(before, params(fresh)))
+    try:
+        L.Fabric(accelerator="cpu", devices=2, plugins=[lp.RecordingIO()], strategy=MiCSStrategy())
+        raise AssertionError("a CheckpointIO plugin was accepted with sharded checkpoints")
+    except ValueError as err:
+        assert "checkpoint_io=RecordingIO with state_dict_type='sharded'" in str(err), err
+    return {}
+
+
 CASES = {
     **{f"train_save_load_{p}": (lambda tmp, _, p=p: case_train_save_load(tmp, p)) for p in ("32-true", "bf16-mixed")},
     **{f"save_full_{p}": (lambda tmp, _, p=p: case_save_full(tmp, p)) for p in ("32-true", "bf16-mixed")},
@@ -533,6 +559,7 @@ CASES = {
     "load_raw_module_state": lambda tmp, _: case_load_raw_module_state(tmp),
     "save_over": lambda tmp, _: case_save_over(tmp),
     "compiled_autograd": lambda tmp, _: case_compiled_autograd(tmp),
+    "checkpoint_io": lambda tmp, _: case_checkpoint_io(tmp),
 }
 
 if __name__ == "__main__":

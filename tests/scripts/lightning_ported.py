@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning.pytorch import LightningModule, Trainer, seed_everything  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset  # noqa: E402
+from lightning.pytorch.plugins import AsyncCheckpointIO, TorchCheckpointIO  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from torchmetrics import Accuracy  # noqa: E402
@@ -432,6 +433,59 @@ def case_save_over(tmp):
     return {}
 
 
+class RecordingIO(TorchCheckpointIO):
+    """Lightning's default plugin, recording the paths it is handed (a user's own CheckpointIO)."""
+
+    def __init__(self):
+        super().__init__()
+        self.saved, self.loaded = [], []
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        self.saved.append(str(path))
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path, *args, **kwargs):
+        self.loaded.append(str(path))
+        return super().load_checkpoint(path, *args, **kwargs)
+
+
+def case_checkpoint_io(tmp):
+    """test_fsdp.py / test_model_parallel.py::test_checkpoint_io_unsupported, as MiCS decides it: a CheckpointIO
+    plugin acts with ``state_dict_type="full"`` (rank 0 hands it the user's path, every rank loads through it;
+    Lightning's ``AsyncCheckpointIO`` writes ModelCheckpoint's files, there when fit ends) and is refused with the
+    sharded form, which it would not see (on every rank, when the Trainer is made)."""
+    params = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
+    io = RecordingIO()
+    t = trainer(tmp, strategy=strategy(state_dict_type="full"), plugins=[io], max_steps=2, enable_checkpointing=False,
+                **LIMITS, **QUIET)
+    model = BoringModel()
+    t.fit(model)
+    path = Path(t.strategy.broadcast(str(tmp / "io" / "full.ckpt")))
+    t.save_checkpoint(path)
+    assert io.saved == ([str(path)] if t.global_rank == 0 else []), io.saved
+    t.strategy.barrier()
+    saved = torch.load(path, weights_only=False)["state_dict"]
+    assert all(torch.equal(saved[n], v) for n, v in params(model).items())
+    io2 = RecordingIO()
+    t2 = trainer(tmp, strategy=strategy(state_dict_type="full"), plugins=[io2], max_steps=3, enable_checkpointing=False,
+                 **LIMITS, **QUIET)
+    t2.fit(BoringModel(), ckpt_path=str(path))
+    assert str(path) in io2.loaded and t2.global_step == 3, (io2.loaded, t2.global_step)
+    dirpath = Path(t.strategy.broadcast(str(tmp / "io" / "async")))
+    t3 = trainer(tmp, strategy=strategy(state_dict_type="full"), plugins=[AsyncCheckpointIO()], max_steps=2,
+                 callbacks=[ModelCheckpoint(dirpath=dirpath, save_last=True)], **LIMITS, **QUIET)
+    model = BoringModel()
+    t3.fit(model)
+    last = torch.load(dirpath / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 2 and all(torch.equal(last["state_dict"][n], v) for n, v in params(model).items())
+    try:
+        trainer(tmp, strategy=strategy(), plugins=[RecordingIO()], max_steps=1)
+        raise AssertionError("a CheckpointIO plugin was accepted with sharded checkpoints")
+    except ValueError as err:
+        assert "checkpoint_io=RecordingIO with state_dict_type='sharded'" in str(err), err
+    return {}
+
+
 def case_consolidate(tmp):
     """test_fsdp.py::test_save_sharded_and_consolidate_and_load: the consolidation of the sharded directory gives
     a file DDP resumes from. Lightning's consolidation reads its FSDP layout ("model", "optimizer_0" keys); MiCS's
@@ -498,6 +552,7 @@ CASES = {
     "sharded_sd_ff": lambda tmp, f: case_sharded_sd(tmp, "ff"),
     "consolidate": lambda tmp, f: case_consolidate(tmp),
     "save_over": lambda tmp, f: case_save_over(tmp),
+    "checkpoint_io": lambda tmp, f: case_checkpoint_io(tmp),
     "no_params": lambda tmp, f: case_no_params(tmp),
 }
 
