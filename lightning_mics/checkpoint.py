@@ -279,16 +279,9 @@ def load_sharded(path: Path, index: Metadata, module: nn.Module, optimizers: Seq
 def _model_target(path: Path, index: Metadata, key: str, module: nn.Module, strict: bool,
                   engine: Optional[MiCSEngine]) -> Dict[str, Any]:
     """The module's own state (its shards, read in place) for the entries saved under ``key``."""
-    saved = {where[0] for where, _ in _saved(index, key)}
+    saved = {where[0]: md for where, md in _saved(index, key)}
     target = model_state(module, engine)
-    missing = [k for k in target if k not in saved]
-    unexpected = sorted(saved - set(target))
-    if strict and (missing or unexpected):
-        some = lambda keys: f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"  # noqa: E731
-        raise CheckpointError(f"{path}: does not match the module{'' if key == 'state_dict' else f' {key!r}'}: "
-                              f"missing {some(missing)}, unexpected {some(unexpected)} (strict loading off: "
-                              "LightningModule.strict_loading = False, fabric.load(..., strict=False), loads the "
-                              "common keys).")
+    files.check_against_module(path, key, saved, target, strict)
     return {k: v for k, v in target.items() if k in saved}
 
 

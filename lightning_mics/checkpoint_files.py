@@ -272,6 +272,23 @@ class LoadPlanner(DefaultLoadPlanner):
         _load_bytes(self, read_item, value, self.weights_only)
 
 
+def check_against_module(path: Path, key: str, saved: Dict[str, Any], target: Dict[str, Any], strict: bool) -> None:
+    """The entries saved under ``key`` (name -> index entry) against the module's state (name -> tensor of its
+    global shape): a size mismatch is refused as ``load_state_dict`` refuses it, strict or not; under ``strict``,
+    missing or unexpected names. Every rank reads the same index, so all raise alike before DCP's collectives."""
+    some = lambda keys: f"{keys[:8]}{' ...' if len(keys) > 8 else ''}"  # noqa: E731
+    sizes = [f"{k}: checkpoint {tuple(saved[k].size)}, module {tuple(v.shape)}" for k, v in target.items()
+             if isinstance(saved.get(k), TensorStorageMetadata) and tuple(saved[k].size) != tuple(v.shape)]
+    if sizes:
+        raise CheckpointError(f"{path}: size mismatch for {some(sizes)}.")
+    missing, unexpected = [k for k in target if k not in saved], sorted(set(saved) - set(target))
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"{path}: does not match the module{'' if key == 'state_dict' else f' {key!r}'}: "
+                              f"missing {some(missing)}, unexpected {some(unexpected)} (strict loading off: "
+                              "LightningModule.strict_loading = False, fabric.load(..., strict=False), loads the "
+                              "common keys).")
+
+
 def empty_state(index: Metadata) -> Dict[str, Any]:
     """The whole saved state as the index describes it: full, empty tensors; placeholders for other values.
     ``dcp.load`` into it (no process group needed) reads everything: how a sharded checkpoint is consolidated."""

@@ -19,7 +19,7 @@ CASES = (["train_save_load_32-true", "train_save_load_bf16-mixed", "save_full_32
           "move_to_device_True", "move_to_device_False", "param_groups", "reapply_compile", "init_32-true",
           "init_16-true", "init_bf16-true", "save_filter", "manual_ac", "consolidate_32-true",
           "consolidate_bf16-mixed", "consolidate_bf16-true", "load_raw_module_state", "save_over", "compiled_autograd",
-          "checkpoint_io"]
+          "checkpoint_io", "size_mismatch"]
          + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS])
 
 
@@ -98,3 +98,9 @@ def test_checkpoint_io_plugin(ported):
     """A CheckpointIO plugin saves and loads the full form through the user's path (rank 0 saves, every rank
     loads, exactly); with sharded checkpoints, which it would not see, it is refused when Fabric is made."""
     result(ported, "checkpoint_io")
+
+
+def test_load_into_other_shapes_names_each_entry(ported):
+    """A checkpoint loaded into a module whose parameters have other shapes: refused on every rank, naming each
+    entry with both shapes (sharded: before any collective of the read; full: ``load_state_dict``'s own error)."""
+    result(ported, "size_mismatch")

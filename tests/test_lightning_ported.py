@@ -29,7 +29,8 @@ def _case_names():
     return ([f"stages_{t}_{p}" for t in ("sharded", "full") for p in PRECISIONS] + ["multi_manual", "multi_linear"]
             + [f"{k}_{n}" for k in ("full_sd", "save_opt", "load_opt") for n in thresholds]
             + ["save_opt_ff", "load_opt_ff", "configure_model", "init_32-true", "init_16-true", "init_bf16-true",
-               "sharded_sd_boring", "sharded_sd_ff", "consolidate", "no_params", "save_over", "checkpoint_io"])
+               "sharded_sd_boring", "sharded_sd_ff", "consolidate", "no_params", "save_over", "checkpoint_io",
+               "size_mismatch"])
 
 
 LAUNCHES = {("ported", "mics"): _case_names(), ("ported", "ddp"): PORTED_DDP,
@@ -124,12 +125,13 @@ def test_strategy_load_optimizer_states(runs, name):
 
 @pytest.mark.parametrize("name", ["configure_model", "init_32-true", "init_16-true", "init_bf16-true",
                                   "sharded_sd_boring", "sharded_sd_ff", "consolidate", "no_params", "save_over",
-                                  "checkpoint_io"])
+                                  "checkpoint_io", "size_mismatch"])
 def test_ported_case(runs, name):
     """configure_model, module_init_context (3 precisions, with and without empty_init), save/load of a sharded
     state dict (two models), save sharded -> consolidate -> DDP resumes, modules without parameters, saves over an
     existing path (a directory holding other files refused on every rank), a CheckpointIO plugin (acts with full
-    checkpoints, AsyncCheckpointIO included; refused with sharded ones)."""
+    checkpoints, AsyncCheckpointIO included; refused with sharded ones), a resume into other shapes (refused,
+    naming each entry)."""
     case(runs, "ported", "mics", name)
 
 

@@ -542,6 +542,28 @@ def case_checkpoint_io(tmp):
     return {}
 
 
+def case_size_mismatch(tmp):
+    """Beyond Lightning's tests (its strategies let DCP fail, its traceback as the message): a sharded checkpoint
+    loaded into a module whose parameters have other shapes is refused as ``load_state_dict`` refuses it, naming
+    each entry and both shapes, on every rank alike and before any collective of the read; a full one through
+    ``load_state_dict`` itself."""
+    out = {}
+    for fmt in ("sharded", "full"):
+        f = fabric(state_dict_type=fmt)
+        model = f.setup(nn.Linear(4, 4))
+        path = Path(f.broadcast(str(tmp / f"size_{fmt}")))
+        f.save(path, {"model": model})
+        try:
+            f.load(path, {"model": f.setup(nn.Linear(3, 3))})
+            raise AssertionError(f"{fmt}: a checkpoint loaded into a module of other shapes")
+        except (RuntimeError, ValueError) as err:  # CheckpointError is a RuntimeError, as load_state_dict's
+            out[fmt] = f"{type(err).__name__}: {err}"
+    assert "size mismatch for ['weight: checkpoint (4, 4), module (3, 3)', 'bias: checkpoint (4,), module (3,)']" \
+        in out["sharded"], out
+    assert out["sharded"].startswith("CheckpointError") and "size mismatch for weight" in out["full"], out
+    return {}
+
+
 CASES = {
     **{f"train_save_load_{p}": (lambda tmp, _, p=p: case_train_save_load(tmp, p)) for p in ("32-true", "bf16-mixed")},
     **{f"save_full_{p}": (lambda tmp, _, p=p: case_save_full(tmp, p)) for p in ("32-true", "bf16-mixed")},
@@ -560,6 +582,7 @@ CASES = {
     "save_over": lambda tmp, _: case_save_over(tmp),
     "compiled_autograd": lambda tmp, _: case_compiled_autograd(tmp),
     "checkpoint_io": lambda tmp, _: case_checkpoint_io(tmp),
+    "size_mismatch": lambda tmp, _: case_size_mismatch(tmp),
 }
 
 if __name__ == "__main__":

@@ -486,6 +486,25 @@ def case_checkpoint_io(tmp):
     return {}
 
 
+def case_size_mismatch(tmp):
+    """Beyond Lightning's tests: ``fit(ckpt_path=...)`` of a sharded checkpoint into a module whose parameters have
+    other shapes is refused on every rank as ``load_state_dict`` refuses it (each entry, both shapes), before any
+    collective of the read; Lightning's sharded strategies leave it to DCP (its traceback as the message)."""
+    t = trainer(tmp, max_steps=1, enable_checkpointing=False, **LIMITS, **QUIET)
+    t.fit(BoringModel())
+    path = Path(t.strategy.broadcast(str(tmp / "size" / "sharded")))
+    t.save_checkpoint(path)
+    wider = BoringModel()
+    wider.layer = nn.Linear(32, 3)
+    try:
+        trainer(tmp, max_steps=2, enable_checkpointing=False, **LIMITS, **QUIET).fit(wider, ckpt_path=str(path))
+        raise AssertionError("a checkpoint loaded into a module of other shapes")
+    except RuntimeError as err:
+        assert "size mismatch for ['layer.weight: checkpoint (2, 32), module (3, 32)', 'layer.bias: checkpoint " \
+               "(2,), module (3,)']" in str(err), err
+    return {}
+
+
 def case_consolidate(tmp):
     """test_fsdp.py::test_save_sharded_and_consolidate_and_load: the consolidation of the sharded directory gives
     a file DDP resumes from. Lightning's consolidation reads its FSDP layout ("model", "optimizer_0" keys); MiCS's
@@ -553,6 +572,7 @@ CASES = {
     "consolidate": lambda tmp, f: case_consolidate(tmp),
     "save_over": lambda tmp, f: case_save_over(tmp),
     "checkpoint_io": lambda tmp, f: case_checkpoint_io(tmp),
+    "size_mismatch": lambda tmp, f: case_size_mismatch(tmp),
     "no_params": lambda tmp, f: case_no_params(tmp),
 }
 
