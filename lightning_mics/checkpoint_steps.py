@@ -69,27 +69,32 @@ def refuse_remote_sharded(path: str, storage_options: Any) -> None:
                          "a CheckpointIO plugin.")
 
 
-def write_full(checkpoint: Dict[str, Any], path: str, token: str, save: Callable[[Dict[str, Any], Any], None],
-               is_rank_zero: bool, io: Any = None) -> None:
-    """Rank 0 writes one file with ``save(checkpoint, where)``: a local path under a temporary name, published
-    by one rename; a remote one (``scheme://``) directly. So does a ``CheckpointIO`` plugin other than Lightning's
-    default (``io``): it gets the user's path, as under DDP, since it may write later (Lightning's
-    ``AsyncCheckpointIO``) or elsewhere, and a rename cannot follow it; a checkpoint of either form at the path
-    is removed first, and the write's crash safety is the plugin's."""
+def users_plugin(io: Any) -> bool:
+    """Is ``io`` a CheckpointIO plugin of the user's, not Lightning's default ``TorchCheckpointIO``: the one
+    decision behind refusing it with sharded checkpoints, handing it the user's path, and loading through it."""
+    return io is not None and type(io) is not TorchCheckpointIO
+
+
+def write_full(checkpoint: Dict[str, Any], path: str, token: str, io: Any, storage_options: Any,
+               is_rank_zero: bool) -> None:
+    """Rank 0 writes one file through ``io.save_checkpoint``: a local path under a temporary name, published by
+    one rename; a remote one (``scheme://``) directly. So does a plugin of the user's (``users_plugin``): it gets
+    the user's path, as under DDP, since it may write later (Lightning's ``AsyncCheckpointIO``) or elsewhere, and a
+    rename cannot follow it; a checkpoint of either form at the path is removed first, and the write's crash
+    safety is the plugin's."""
     if not is_rank_zero:
         return
     if "://" in path:
-        save(checkpoint, path)
+        io.save_checkpoint(checkpoint, path, storage_options=storage_options)
         return
     target = Path(path)
-    if io is not None and type(io) is not TorchCheckpointIO:
-        files.prepare(target, token)
-        files.remove(target)
-        save(checkpoint, target)
-        return
     files.prepare(target, token)
+    if users_plugin(io):
+        files.remove(target)
+        io.save_checkpoint(checkpoint, target, storage_options=storage_options)
+        return
     tmp = files.temporary(target, token)
-    save(checkpoint, tmp)
+    io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
     files.publish(tmp, target, token)
 
 

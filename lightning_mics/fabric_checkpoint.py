@@ -22,7 +22,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
-from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.types import _Stateful
 from torch.optim import Optimizer
 
@@ -109,8 +108,7 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
             engine = owners[k][1]
             meta[k] = ckpt.full_optimizer_state(engine, o, dst=0) if engine is not None else o.state_dict()
     io = strategy.checkpoint_io  # no marker: the file is the dict one plain process saves
-    steps.write_full(meta, path, token, lambda c, p: io.save_checkpoint(c, p, storage_options=storage_options),
-                     strategy.is_global_zero, io=io)
+    steps.write_full(meta, path, token, io, storage_options, strategy.is_global_zero)
 
 
 def _check_keys(state: Dict[str, Any], keys: Any, path: Path, strict: bool) -> None:
@@ -190,7 +188,7 @@ def _plugin_loader(strategy: Strategy, weights_only: Optional[bool]) -> Optional
     """A user's CheckpointIO plugin reads the full files it wrote (``frontend.check_checkpoint_io``); without one,
     ``torch.load`` as the checks choose it."""
     io = strategy.checkpoint_io
-    return None if type(io) is TorchCheckpointIO else (lambda p: io.load_checkpoint(p, weights_only=weights_only))
+    return (lambda p: io.load_checkpoint(p, weights_only=weights_only)) if steps.users_plugin(io) else None
 
 
 def _load_raw(strategy: Strategy, path: Any, obj: Union[nn.Module, Optimizer], strict: bool,

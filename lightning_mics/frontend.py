@@ -157,9 +157,7 @@ def check_checkpoint_io(options: MiCSOptions, io: Any) -> None:
     """A ``CheckpointIO`` plugin writes and reads the one file of ``state_dict_type="full"``; the sharded form is
     written by every rank through torch.distributed.checkpoint, where a plugin would be ignored: refused there
     (both front ends, when the plugin is given: before any process starts). Lightning's default is allowed."""
-    from lightning.fabric.plugins import TorchCheckpointIO
-
-    if io is not None and type(io) is not TorchCheckpointIO and options.state_dict_type == "sharded":
+    if steps.users_plugin(io) and options.state_dict_type == "sharded":
         raise ValueError(f"MiCSStrategy got checkpoint_io={type(io).__name__} with state_dict_type='sharded': "
                          "allowed is a CheckpointIO plugin only with state_dict_type='full' (one file, written "
                          "through the plugin by rank 0); sharded checkpoints are written by every rank through "

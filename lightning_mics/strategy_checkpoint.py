@@ -96,8 +96,7 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
         return
     checkpoint[files.MARKER] = files.marker("full")
     io = strategy.checkpoint_io
-    steps.write_full(checkpoint, path, token, lambda c, p: io.save_checkpoint(c, p, storage_options=storage_options),
-                     strategy.is_global_zero, io=io)
+    steps.write_full(checkpoint, path, token, io, storage_options, strategy.is_global_zero)
 
 
 def _as_sharded_state(strategy: Strategy, state_dict: Any) -> Dict[str, Any]:
