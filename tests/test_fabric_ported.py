@@ -3,7 +3,9 @@
 Ported from Lightning 2.6's ``tests/tests_fabric/strategies/test_fsdp_integration.py`` and
 ``test_model_parallel_integration.py`` to CPU with 2 ranks, keeping their assertions (they run inside the ranks:
 ``tests/scripts/fabric_ported.py``; one launch runs every case). Where the original only smoke-tests a step, the
-case also trains one plain process on the same global batches and the test bounds the difference.
+case also trains one plain process on the same global batches and the test bounds the difference; those cases
+also run under Lightning's DDP (one more launch, the same seed and data), and the parameters after the steps are
+compared with DDP's.
 """
 
 import pytest
@@ -21,12 +23,24 @@ CASES = (["train_save_load_32-true", "train_save_load_bf16-mixed", "save_full_32
           "consolidate_bf16-mixed", "consolidate_bf16-true", "load_raw_module_state", "save_over", "compiled_autograd",
           "checkpoint_io", "size_mismatch"]
          + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS])
+STEPPED = ["param_groups", "reapply_compile", "manual_ac", "compiled_autograd"]  # each equals one plain process
+CONTROLLED = STEPPED + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS]  # also run under DDP
+
+
+def _launch(tmp_path_factory, kind, cases):
+    d = tmp_path_factory.mktemp(f"fabric_ported_{kind}")
+    return d, run_ranks(SCRIPT, 2, ["--strategy", kind, "--cases", ",".join(cases)], d, timeout=900)
 
 
 @pytest.fixture(scope="module")
 def ported(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fabric_ported")
-    return d, run_ranks(SCRIPT, 2, ["--strategy", "mics", "--cases", ",".join(CASES)], d, timeout=900)
+    return _launch(tmp_path_factory, "mics", CASES)
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    """The control: the cases that train, under Lightning's DDP with the same seed and data."""
+    return _launch(tmp_path_factory, "ddp", CONTROLLED)
 
 
 def result(ported, name):
@@ -35,6 +49,15 @@ def result(ported, name):
     for rank, r in enumerate(res):
         assert name not in r["errors"], f"case {name}, rank {rank}:\n{r['errors'][name]}"
     return torch.load(d / f"{name}.pt", weights_only=False)
+
+
+def assert_equals_ddp(ported, ddp, name, tol=1e-6):
+    """The parameters after the case's steps equal those of Lightning's DDP on the same seed and data."""
+    got, want = result(ported, name)["params"], result(ddp, name)["params"]
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+        torch.testing.assert_close(g, w, atol=tol, rtol=0)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
@@ -65,26 +88,31 @@ def test_setup_and_init(ported, name):
     result(ported, name)
 
 
-@pytest.mark.parametrize("name", ["param_groups", "reapply_compile", "manual_ac", "compiled_autograd"])
-def test_steps_equal_one_plain_process(ported, name):
+@pytest.mark.parametrize("name", STEPPED)
+def test_steps_equal_one_plain_process(ported, ddp, name):
     """Two parameter groups with their own learning rates, ``fabric.setup(torch.compile(model),
     _reapply_compile=True)``, a model the user checkpointed with torch's wrapper before setup (the strategy's
     ``activation_checkpointing`` on it refused first), and a compiled model after compiled autograd was refused on
-    every rank (with and without fullgraph): each equals one plain process."""
+    every rank (with and without fullgraph): each equals one plain process, and Lightning's DDP on the same steps."""
     assert result(ported, name)["diff"] <= 1e-6
+    assert_equals_ddp(ported, ddp, name)
 
 
 @pytest.mark.parametrize("kind", ["norm", "val"])
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_clip_gradients(ported, kind, precision):
+def test_clip_gradients(ported, ddp, kind, precision):
     """Every gradient equal by construction: by value each becomes clip_val; by norm (max_norm a tenth of the norm,
     which Lightning's own test skips) the norm becomes max_norm and the returned total is the norm before; the
-    Adam step then equals one plain process clipped alike."""
+    Adam step then equals one plain process clipped alike, and Lightning's DDP (its norm too)."""
     r = result(ported, f"clip_{kind}_{precision}")
     if kind == "norm":
         assert r["total"] == pytest.approx(r["norm"], rel=1e-6)
         assert r["after"] == pytest.approx(r["norm"] / 10, rel=1e-5)
     assert r["diff"] <= 1e-6, r  # Adam's first step is lr * g / |g|: bf16's rounding of g hardly shows
+    control = result(ddp, f"clip_{kind}_{precision}")
+    if kind == "norm":
+        assert r["total"] == pytest.approx(control["total"], rel=1e-6)
+    assert_equals_ddp(ported, ddp, f"clip_{kind}_{precision}")
 
 
 def test_save_over_an_existing_path(ported):

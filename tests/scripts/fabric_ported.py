@@ -43,11 +43,17 @@ FeedForward = lp.FeedForward  # test_model_parallel_integration.py's model
 
 
 def fabric(precision="32-true", devices=2, **kw):
-    """MiCS in FSDPStrategy's / ModelParallelStrategy's place; ``devices=1``: Lightning's single-device Fabric."""
+    """MiCS in FSDPStrategy's / ModelParallelStrategy's place; ``devices=1``: Lightning's single-device Fabric; in
+    the control run (``--strategy ddp``) Lightning's DDP, where only MiCS's layout options may be given."""
     if devices == 1:
         return L.Fabric(accelerator="cpu", devices=1, precision=precision)
-    kw.setdefault("param_persistence_threshold", 0)
-    f = L.Fabric(accelerator="cpu", devices=2, strategy=MiCSStrategy(**kw), precision=precision)
+    if lp.KIND == "ddp":
+        assert set(kw) <= {"shard_units"}, kw  # layout only: nothing the control's numbers depend on
+        strategy = "ddp"
+    else:
+        kw.setdefault("param_persistence_threshold", 0)
+        strategy = MiCSStrategy(**kw)
+    f = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, precision=precision)
     f.launch()
     return f
 
@@ -87,7 +93,8 @@ def opt_state(model, optimizer):
 
 def against_plain(f, wrapped, optimizer, plain, ref, features, loss, steps=2, rows=4):
     """``steps`` steps on global batches of ``rows`` rows split over the 2 ranks (``loss`` a mean over rows), the
-    same steps in one plain process on the whole batches; the largest parameter difference after them."""
+    same steps in one plain process on the whole batches: the largest parameter difference after them, and the
+    parameters (the test compares them with the DDP control's)."""
     half = rows // 2
     for step in range(steps):
         x = torch.randn(rows, features, generator=torch.Generator().manual_seed(step))
@@ -97,7 +104,8 @@ def against_plain(f, wrapped, optimizer, plain, ref, features, loss, steps=2, ro
         loss(plain(x)).backward()
         ref.step()
         ref.zero_grad()
-    return max((a - b).abs().max().item() for a, b in zip(params(wrapped), plain.parameters()))
+    got = params(wrapped)
+    return {"diff": max((a - b).abs().max().item() for a, b in zip(got, plain.parameters())), "params": got}
 
 
 def assert_state_equal(a, b):
@@ -249,10 +257,10 @@ def case_param_groups(tmp):
     assert len(optimizer.param_groups) == 2
     assert [g["lr"] for g in optimizer.param_groups] == [1e-2, 1e-6]
     for i in range(2):
-        assert optimizer.param_groups[i]["params"][0] is wrapped._forward_module[i].weight
-        assert isinstance(wrapped._forward_module[i].weight, DTensor)
+        assert optimizer.param_groups[i]["params"][0] is model[i].weight
+        assert isinstance(model[i].weight, DTensor) == (lp.KIND == "mics")
     ref = torch.optim.Adam(groups(plain))
-    return {"diff": against_plain(f, wrapped, optimizer, plain, ref, 10, lambda y: y.square().mean(), rows=8)}
+    return against_plain(f, wrapped, optimizer, plain, ref, 10, lambda y: y.square().mean(), rows=8)
 
 
 def case_reapply_compile(tmp):
@@ -266,12 +274,13 @@ def case_reapply_compile(tmp):
     with mock.patch("lightning.fabric.wrappers.torch.compile", mock.Mock(wraps=torch.compile)) as spy:
         wrapped, optimizer = f.setup(compiled, torch.optim.SGD(model.parameters(), lr=0.1), _reapply_compile=True)
     assert isinstance(wrapped._forward_module, OptimizedModule)
-    assert wrapped._forward_module._orig_mod is model  # MiCS shards in place: no wrapper module
-    spy.assert_called_with(model, dynamic=False)
+    inner = model if lp.KIND == "mics" else wrapped._forward_module._orig_mod  # MiCS shards in place; DDP wraps
+    assert wrapped._forward_module._orig_mod is inner and (lp.KIND == "mics" or inner.module is model)
+    spy.assert_called_with(inner, dynamic=False)
     assert wrapped._original_module is model
     assert wrapped.device == f.device
     ref = torch.optim.SGD(plain.parameters(), lr=0.1)
-    return {"diff": against_plain(f, wrapped, optimizer, plain, ref, 32, lambda y: y.sum(1).mean(), steps=3)}
+    return against_plain(f, wrapped, optimizer, plain, ref, 32, lambda y: y.sum(1).mean(), steps=3)
 
 
 def case_init(tmp, precision):
@@ -325,17 +334,18 @@ def case_manual_ac(tmp):
     plain = deepcopy(model)
     apply_activation_checkpointing(model)
     assert {n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)} == {"0", "1"}
-    try:
-        fabric(activation_checkpointing=[nn.Linear]).setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        raise AssertionError("the option was accepted on a model checkpointed by torch's wrapper")
-    except ValueError as err:
-        assert "activation_checkpointing" in str(err) and "checkpoint_wrapper" in str(err), err
-    assert not any(isinstance(p, DTensor) for p in model.parameters())  # refused before anything changed
+    if lp.KIND == "mics":
+        try:
+            fabric(activation_checkpointing=[nn.Linear]).setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+            raise AssertionError("the option was accepted on a model checkpointed by torch's wrapper")
+        except ValueError as err:
+            assert "activation_checkpointing" in str(err) and "checkpoint_wrapper" in str(err), err
+        assert not any(isinstance(p, DTensor) for p in model.parameters())  # refused before anything changed
     f = fabric()
     wrapped, optimizer = f.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    assert {n for n, m in wrapped._forward_module.named_modules() if isinstance(m, CheckpointWrapper)} == {"0", "1"}
+    assert {n for n, m in model.named_modules() if isinstance(m, CheckpointWrapper)} == {"0", "1"}
     ref = torch.optim.SGD(plain.parameters(), lr=0.1)
-    return {"diff": against_plain(f, wrapped, optimizer, plain, ref, 4, lambda y: y.square().mean())}
+    return against_plain(f, wrapped, optimizer, plain, ref, 4, lambda y: y.square().mean())
 
 
 def case_clip(tmp, kind, precision):
@@ -349,17 +359,17 @@ def case_clip(tmp, kind, precision):
     optimizer = f.setup_optimizers(torch.optim.Adam(model.parameters(), lr=0.1))
     batch = torch.full((1, 32), 0.1, device=f.device)
     f.backward(model(batch).sum())
-    grad = model.weight.grad.full_tensor()
+    grad = full(model.weight.grad)
     out = {}
     if kind == "norm":
         norm = torch.linalg.vector_norm(grad, 2, dtype=torch.float32).item()
         total = f.clip_gradients(model, optimizer, max_norm=norm / 10)
-        after = torch.linalg.vector_norm(model.weight.grad.full_tensor(), 2, dtype=torch.float32).item()
+        after = torch.linalg.vector_norm(full(model.weight.grad), 2, dtype=torch.float32).item()
         out.update(norm=norm, total=float(total), after=after)
     else:
         val = grad[0, 0].item()
         f.clip_gradients(model, optimizer, clip_val=val / 2)
-        clipped = model.weight.grad.full_tensor()
+        clipped = full(model.weight.grad)
         assert torch.equal(clipped, torch.full_like(clipped, val / 2)), clipped
     optimizer.step()
     optimizer.zero_grad()
@@ -370,7 +380,8 @@ def case_clip(tmp, kind, precision):
     else:
         torch.nn.utils.clip_grad_value_(plain.parameters(), plain.weight.grad[0, 0].item() / 2)
     ref.step()
-    out["diff"] = (full(model.weight) - plain.weight.detach()).abs().max().item()
+    out["params"] = params(model)
+    out["diff"] = (out["params"][0] - plain.weight.detach()).abs().max().item()
     return out
 
 
@@ -504,7 +515,7 @@ def case_compiled_autograd(tmp):
     wrapped, optimizer = f.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     compiled = torch.compile(wrapped, backend="aot_eager")
     x = torch.randn(2, 16)
-    for fullgraph in (False, True):
+    for fullgraph in (False, True) if lp.KIND == "mics" else ():
         try:
             with compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=fullgraph)):
                 f.backward(compiled(x).square().mean())
@@ -513,7 +524,7 @@ def case_compiled_autograd(tmp):
             assert "cannot run under compiled autograd" in str(err), err
         optimizer.zero_grad()
     ref = torch.optim.SGD(plain.parameters(), lr=0.1)
-    return {"diff": against_plain(f, compiled, optimizer, plain, ref, 16, lambda y: y.square().mean())}
+    return against_plain(f, compiled, optimizer, plain, ref, 16, lambda y: y.square().mean())
 
 
 def case_checkpoint_io(tmp):
