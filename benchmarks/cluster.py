@@ -12,11 +12,15 @@ benchmarks/cluster_rank.py in both namespaces: ``--warmup`` optimizer steps, the
 ``mics_host_q8``, ``mics_twohop_q8``, ``mics_host_os_q8``) are described there.
 
 Per case, rate and accumulation, one JSON line on stdout (and in ``rows.jsonl``):
-  step_s          median over the timed steps of all rounds of the slowest rank's step (wall clock from the
-                  previous step's end to this one's)
+  step_s          the slowest rank's mean step over the timed steps (wall clock from the end of the step before
+                  them to the end of the last), median over rounds; one more step runs between the warm-up and the
+                  timed ones, untimed: it follows the counters' handshake ([Note: step marks] in twohosts.py).
+                  With no barrier between them, the ranks' steps are not aligned: one rank's step holds its wait
+                  for another, whose next step is the shorter; a median over steps of their maximum would count
+                  that jitter as time
   link_bytes      bytes per step over the busier direction of the veth (``link_bytes_dirs``: host 0 -> 1, 1 -> 0),
-                  from the veth ends' counters, read from outside the processes at every step end while all ranks
-                  wait ([Note: step marks] in twohosts.py; median over steps)
+                  from the veth ends' counters, read from outside the processes at the end of the warm-up and of
+                  the last step while all ranks wait: the timed window's mean per step (median over runs)
   floor_s         link_bytes / rate: the step time if the link were busy all the time and nothing else took any
   ar_wait_s       time a rank is blocked on all-reduces whose group spans both hosts, per step (mean over ranks,
                   median over steps); ``comm_wait_s`` the same over every cross-host collective ([Note: time waiting
@@ -121,8 +125,8 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
                     p.wait()
     sock.parent.rmdir()
     rec["wall_s"] = time.time() - t0
-    last = args.warmup + args.steps
-    if codes != [0, 0] or sorted(marks.marks) != list(range(1, last + 1)):
+    last = args.warmup + 1 + args.steps  # one untimed step after the warm-up's counters ([Note: step marks])
+    if codes != [0, 0] or sorted(marks.marks) != [args.warmup, last]:
         rec["error"] = f"exit {codes}, counters read at steps {sorted(marks.marks)}; logs in {folder}"
         return rec
     ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
@@ -130,7 +134,8 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     rec["ranks"] = [dict(ends=r["ends"], resumes=r["resumes"], comm=r["comm"], timeline=r.get("timeline"))
                     for r in ranks]
     rec["telemetry"] = ranks[0]["telemetry"][-1]
-    rec["link_steps"] = per_step(marks.marks, args.warmup + 1, last)
+    rec["link_steps"] = [tuple(b / (last - args.warmup) for b in per_step(marks.marks, last, last, args.warmup)[0])]
+    rec["timed_from"] = args.warmup + 2  # the first step that no handshake precedes ([Note: step marks])
     return rec
 
 
@@ -150,9 +155,12 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for (case, rate, accum), recs in groups.items():
         steps, per_round, ar, cw, link, counted = [], [], [], [], [], defaultdict(list)
         for rec in recs:
-            w = rec["warmup"]
+            w = rec.get("timed_from", rec["warmup"] + 1) - 1  # records before it marked every step
             durs = [[e - b for b, e in zip(r["resumes"][w - 1:], r["ends"][w:])] for r in rec["ranks"]]
-            slowest = [max(d) for d in zip(*durs)]
+            if "timed_from" in rec:  # no barrier between the steps: a rank's step k holds its wait for a later rank,
+                slowest = [max(statistics.mean(d) for d in durs)] * len(durs[0])  # so the slowest rank's pace
+            else:
+                slowest = [max(d) for d in zip(*durs)]
             steps += slowest
             per_round.append(statistics.median(slowest))
             comms = [r["comm"][w:] for r in rec["ranks"]]  # comm[j]: the window ending at step j + 1

@@ -30,8 +30,9 @@ The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSD
 blocked: the whole call when synchronous, the ``wait()`` when asynchronous. DDP's reducer waits for its buckets
 in C++, out of sight: for ``ddp`` the blocked time is estimated as the last bucket's completion minus the last
 bucket's issue (the end of backward's compute). A ``StepClock`` callback stamps every optimizer step's end, takes
-the window, and (with ``--marks``) has the link's counters read while all ranks wait ([Note: step marks] in
-twohosts.py); a step is timed from the previous step's handshake to its own end.
+the window, and (with ``--marks``) has the link's counters read while all ranks wait at the timed window's two
+ends, the warm-up's last step and the last step ([Note: step marks] in twohosts.py); a step is timed from the
+previous step's end (after its handshake, where it had one) to its own end.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> None:
             clock.stamp("step", "", trainer.global_step)
             self.comm.append(clock.take())
             self.telemetry.append(dict(getattr(trainer.strategy, "comm_stats", {}) or {}))
-            if args.marks:
+            if args.marks and trainer.global_step in (args.warmup, steps):  # [Note: step marks]
                 dist.barrier()
                 if dist.get_rank() == 0:
                     self.conn = ask_mark(args.marks, trainer.global_step, self.conn)
@@ -268,7 +269,7 @@ def run(args: argparse.Namespace) -> None:
             clock.stamp("resume", "", trainer.global_step)
 
     rank = int(os.environ["RANK"])
-    steps = args.warmup + args.steps
+    steps = args.warmup + 1 + args.steps  # the step after the warm-up's counters is not timed ([Note: step marks])
     g = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(0, args.vocab, (steps * args.accum * args.batch, args.seq + 1), generator=g)
     timer = StepClock()

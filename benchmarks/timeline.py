@@ -46,7 +46,7 @@ def _rank_phases(timeline: List[List[Any]], warmup: int) -> List[Dict[str, float
 def phases(records: Sequence[Dict[str, Any]]) -> Dict[str, float]:
     """Medians over ranks and timed steps of the records' timelines; {} where no run has a timeline."""
     rows = [p for rec in records for r in rec["ranks"] if r.get("timeline")
-            for p in _rank_phases(r["timeline"], rec["warmup"])]
+            for p in _rank_phases(r["timeline"], rec.get("timed_from", rec["warmup"] + 1) - 1)]
     if not rows:
         return {}
     return {k: statistics.median(p[k] for p in rows) for k in rows[0]}

@@ -8,11 +8,16 @@ both are ``dev_get_stats``). A veth end's ``tx_bytes`` is what that host sent to
 the hosts, headers included, and nothing else (intra-host traffic stays on the namespace's loopback).
 
 [Note: step marks]
-Bytes are attributed to optimizer steps exactly, not by sampling: at each step end every rank enters a barrier,
-rank 0 then asks this process (``StepMarks``, a Unix socket: a path in the shared filesystem, reachable from any
-network namespace) to read both counters, waits for the answer, and a second barrier releases all ranks. Between
-the barriers no rank is inside a collective of either step, so the link is quiet while the counters are read;
-the ranks leave the handshake out of their step times.
+Bytes are attributed to the timed steps exactly, not by sampling: at the end of the warm-up's last step and of
+the last step every rank enters a barrier, rank 0 then asks this process (``StepMarks``, a Unix socket: a path in
+the shared filesystem, reachable from any network namespace) to read both counters, waits for the answer, and a
+second barrier releases all ranks. The window's bytes over its steps are the bytes per step. The steps between
+run as a user's loop runs, with no handshake: a schedule whose traffic crosses the step's end (``mics_host_os``
+all-gathers the updated rows after the step, for the next forward) would otherwise send during a handshake that
+no step time counts. (Until 2026-11-27 every step had one: ``mics_host_os``'s took 0.20-0.26 s, its
+all-gathers on the link throughout, against 0.03-0.14 s for ``fsdp2_hsdp`` and ``mics_host``, median per run,
+three runs at 100 Mbit/s.) The step after the warm-up's handshake runs untimed before the timed ones; its bytes
+count in the window's mean.
 
 The link is shaped on both ends' egress with ``tc tbf`` (rate only; the kernel of benchmarks/RESULTS.md has no
 netem qdisc), so each direction carries at most the rate. :func:`transfer` measures what TCP really gets
@@ -46,10 +51,12 @@ def parse_net_dev(text: str, iface: str) -> Tuple[int, int]:
     raise KeyError(f"interface {iface!r} not in /proc/net/dev")
 
 
-def per_step(marks: Dict[int, Tuple[int, int]], first: int, last: int) -> List[Tuple[int, int]]:
+def per_step(marks: Dict[int, Tuple[int, int]], first: int, last: int, before: Optional[int] = None,
+             ) -> List[Tuple[int, int]]:
     """Bytes each direction carried in steps ``first..last`` (host 0 -> 1, host 1 -> 0), from the counters read at
-    the end of each step and of the step before ``first``."""
-    return [(marks[k][0] - marks[k - 1][0], marks[k][1] - marks[k - 1][1]) for k in range(first, last + 1)]
+    the end of each step and of step ``before`` (default: the step before ``first``)."""
+    prev = [first - 1 if before is None else before] + list(range(first, last))
+    return [(marks[k][0] - marks[p][0], marks[k][1] - marks[p][1]) for p, k in zip(prev, range(first, last + 1))]
 
 
 def tbf_args(rate_mbit: float, queue_ms: float = 100.0) -> List[str]:

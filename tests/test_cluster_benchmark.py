@@ -74,6 +74,7 @@ def test_step_marks_read_the_counters_when_rank0_asks(tmp_path):
         conn.close()
     assert marks.marks == {1: (1000, 10), 2: (2000, 40), 3: (3000, 90), 4: (4000, 160)}
     assert twohosts.per_step(marks.marks, 2, 4) == [(1000, 30), (1000, 50), (1000, 70)]
+    assert twohosts.per_step(marks.marks, 4, 4, before=1) == [(3000, 150)]  # the window's ends only
     assert not (tmp_path / "s").exists()
     with twohosts.StepMarks(source, tmp_path / "s") as marks:  # nobody connects: the exit does not hang
         pass
@@ -165,6 +166,20 @@ def test_summary_ratios_and_table(tmp_path):
     assert "Failed runs:" in md and "exit [1, 0]" in md and "DeepSpeed" in md and "`cmd`" in md
     assert (folder / "cluster.png").stat().st_size > 0
     assert [json.loads(x)["case"] for x in (folder / "rows.jsonl").read_text().splitlines()] == ["ddp", "mics_host"]
+
+
+def test_the_step_after_the_window_mark_is_not_timed():
+    """Records with marks at the window's ends only (``timed_from``): the first step after the warm-up followed
+    the handshake, so neither its time nor its waits count; the later ones do, as the slowest rank's mean (rank 0's
+    long step 3 and rank 1's long step 4 are not both counted)."""
+    rec = _record("mics_host_os", 100.0, [[0.5] * 4, [3, 1, 1, 1], [1, 2, 1, 1]], [[5e6, 6e6]],
+                  [[9, 9, 9, 9], [1, 1, 1, 1], [3, 3, 3, 3]])
+    rec["timed_from"] = 3
+    row = cluster.summarize([rec])[0]
+    assert row["steps"] == 2 and row["step_s"] == pytest.approx(2) and row["ar_wait_s"] == 2
+    del rec["timed_from"]  # a record from before: every timed step counts
+    row = cluster.summarize([rec])[0]
+    assert row["steps"] == 3 and row["step_s"] == pytest.approx(2) and row["ar_wait_s"] == 3  # max per step: 0.5, 3, 2
 
 
 # -- one small real run on two hosts --------------------------------------------------------------------------------
