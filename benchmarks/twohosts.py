@@ -8,10 +8,11 @@ both are ``dev_get_stats``). A veth end's ``tx_bytes`` is what that host sent to
 the hosts, headers included, and nothing else (intra-host traffic stays on the namespace's loopback).
 
 [Note: step marks]
-Bytes are attributed to the timed steps exactly, not by sampling: at the end of the warm-up's last step and of
-the last step every rank enters a barrier, rank 0 then asks this process (``StepMarks``, a Unix socket: a path in
+Bytes are attributed to the timed window, not by sampling: at the end of the warm-up's last step and of the last
+step every rank enters a barrier, rank 0 then asks this process (``StepMarks``, a Unix socket: a path in
 the shared filesystem, reachable from any network namespace) to read both counters, waits for the answer, and a
-second barrier releases all ranks. The window's bytes over its steps are the bytes per step. The steps between
+second barrier releases all ranks. The window's bytes over its steps are the bytes per step (traffic in flight at
+a mark, as ``mics_host_os``'s all-gathers after a step, splits about alike at both ends). The steps between
 run as a user's loop runs, with no handshake: a schedule whose traffic crosses the step's end (``mics_host_os``
 all-gathers the updated rows after the step, for the next forward) would otherwise send during a handshake that
 no step time counts. (Until 2026-11-27 every step had one: ``mics_host_os``'s took 0.20-0.26 s, its
