@@ -134,7 +134,8 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     rec["ranks"] = [dict(ends=r["ends"], resumes=r["resumes"], comm=r["comm"], timeline=r.get("timeline"))
                     for r in ranks]
     rec["telemetry"] = ranks[0]["telemetry"][-1]
-    rec["link_steps"] = [tuple(b / (last - args.warmup) for b in per_step(marks.marks, last, last, args.warmup)[0])]
+    [(sent, received)] = per_step(marks.marks, last, last, before=args.warmup)  # the whole window
+    rec["link_steps"] = [(sent / (last - args.warmup), received / (last - args.warmup))]  # its mean per step
     rec["timed_from"] = args.warmup + 2  # the first step that no handshake precedes ([Note: step marks])
     return rec
 

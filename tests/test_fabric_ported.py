@@ -16,15 +16,15 @@ from tests.helpers.launch import REPO, run_ranks
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "scripts" / "fabric_ported.py"
 PRECISIONS = ["32-true", "bf16-mixed"]  # Fabric runs "16-mixed" as bf16 AMP on CPU
+CLIPS = [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS]
 CASES = (["train_save_load_32-true", "train_save_load_bf16-mixed", "save_full_32-true", "save_full_bf16-mixed",
           "load_full_into_sharded",
           "move_to_device_True", "move_to_device_False", "param_groups", "reapply_compile", "init_32-true",
           "init_16-true", "init_bf16-true", "save_filter", "manual_ac", "consolidate_32-true",
           "consolidate_bf16-mixed", "consolidate_bf16-true", "load_raw_module_state", "save_over", "compiled_autograd",
-          "checkpoint_io", "size_mismatch"]
-         + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS])
+          "checkpoint_io", "size_mismatch"] + CLIPS)
 STEPPED = ["param_groups", "reapply_compile", "manual_ac", "compiled_autograd"]  # each equals one plain process
-CONTROLLED = STEPPED + [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS]  # also run under DDP
+CONTROLLED = STEPPED + CLIPS  # also run under DDP
 
 
 def _launch(tmp_path_factory, kind, cases):

@@ -274,8 +274,8 @@ def case_reapply_compile(tmp):
     with mock.patch("lightning.fabric.wrappers.torch.compile", mock.Mock(wraps=torch.compile)) as spy:
         wrapped, optimizer = f.setup(compiled, torch.optim.SGD(model.parameters(), lr=0.1), _reapply_compile=True)
     assert isinstance(wrapped._forward_module, OptimizedModule)
-    inner = model if lp.KIND == "mics" else wrapped._forward_module._orig_mod  # MiCS shards in place; DDP wraps
-    assert wrapped._forward_module._orig_mod is inner and (lp.KIND == "mics" or inner.module is model)
+    inner = wrapped._forward_module._orig_mod
+    assert (inner if lp.KIND == "mics" else inner.module) is model  # MiCS shards in place: no wrapper module; DDP wraps
     spy.assert_called_with(inner, dynamic=False)
     assert wrapped._original_module is model
     assert wrapped.device == f.device
