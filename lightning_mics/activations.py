@@ -149,7 +149,7 @@ class _Segment:
 
     def __init__(self, blocks: List[nn.Module]) -> None:
         self.blocks = blocks
-        self.calls: List[Tuple[tuple, dict]] = []
+        self.calls: List[Tuple[tuple, dict]] = []  # each block's arguments but the first
         self.outputs: List[Any] = []
         self.gen = None
         self.host: List[_HostCopy] = []
@@ -200,7 +200,9 @@ class ActivationCheckpointing:
                     f"MiCSStrategy option checkpoint_group_size: grouped checkpointing replays a group block by "
                     f"block, feeding each block the previous one's output; {type(module).__name__} (block {j} of "
                     f"its group) got another first input. Use checkpoint_group_size=1 for this model.")
-            seg.calls.append((args, kwargs))
+            # Not the first input: the replay feeds each block the previous one's output, and holding the
+            # inputs here would keep every block's input alive until backward (so grouping and offload kept all)
+            seg.calls.append((args[1:], kwargs))
         return hook
 
     def _post(self, seg: _Segment, j: int):
@@ -242,7 +244,7 @@ class ActivationCheckpointing:
             try:  # under the forward's compile, if any: the same compiled code saves the same tensors
                 out = blocks[0](*inputs, **kw)
                 for block, (a, k) in zip(blocks[1:], calls[1:]):
-                    out = block(out, *a[1:], **k)
+                    out = block(out, *a, **k)
             finally:
                 if callback is not None:
                     _set_frame_callback(prior)

@@ -139,8 +139,8 @@ def connect(cluster_environment: Any, backend: Optional[str], device: torch.devi
 
     backend = backend or _get_default_process_group_backend_for_device(device)
     kwargs: Dict[str, Any] = {"timeout": timedelta(seconds=timeout)}
-    if device.type != "cpu":
-        kwargs["device_id"] = device
+    if device.type != "cpu" and "nccl" in backend:  # NCCL's eager init; gloo's subgroups cannot be split from
+        kwargs["device_id"] = device             # a bound group (torch 2.11 fails to copy its options)
     _init_dist_connection(cluster_environment, backend, **kwargs)
     return backend
 

@@ -80,3 +80,18 @@ def test_checkpointing_that_cannot_apply_is_refused_on_every_rank(tmp_path, opti
     assert len(errors) == 1, errors
     error = errors.pop()
     assert error is not None and error.startswith("ValueError") and f"option {option}=" in error, error
+
+
+def test_what_checkpointing_keeps_alive(tmp_path):
+    """Which blocks' inputs are alive when forward has ended (4-block GPT, read through weak references, so any
+    reference counts, not only autograd's saved tensors): all four without checkpointing and with one block per
+    group; only each group's first with two per group (the inner block's input is recomputed); none with offload
+    (the host copies replace them; on CUDA this is the device memory it frees, measured in benchmarks/gpu_checks.py).
+    Each variant still replays every block once in backward."""
+    ac = {"activation_checkpointing": [GPT_BLOCK]}
+    variants = [{}, ac, {**ac, "checkpoint_group_size": 2}, {**ac, "checkpoint_group_size": 2, "activation_offload": True},
+                {**ac, "activation_offload": True}]
+    (res,) = run_ranks(SCRIPTS / "ac_alive.py", 1, ["--variants", json.dumps(variants)], tmp_path)
+    assert [r["alive"] for r in res] == [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4, [False] * 4]
+    assert [r["replays"] for r in res] == [0, 4, 4, 4, 4]
+    assert len({r["loss"] for r in res}) == 1
