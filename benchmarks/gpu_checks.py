@@ -279,8 +279,11 @@ def launch(args, name: str, processes: int, timeout: float) -> str:
     cmd = [sys.executable, __file__, "--case", name, "--out", args.out, "--accelerator", args.accelerator,
            "--small", str(args.small), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     logs = [Path(args.out) / f"{name}.{r}.log" for r in range(processes)]
-    procs = [subprocess.Popen(cmd, env=dict(env, RANK=str(r), NODE_RANK=str(r), GROUP_RANK=str(r)),
-                              stdout=open(log, "w"), stderr=subprocess.STDOUT) for r, log in enumerate(logs)]
+    procs = []
+    for r, log in enumerate(logs):
+        with open(log, "w") as f:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen(cmd, env=dict(env, RANK=str(r), NODE_RANK=str(r), GROUP_RANK=str(r)),
+                                          stdout=f, stderr=subprocess.STDOUT))
     deadline = time.time() + timeout
     for p in procs:
         try:

@@ -17,7 +17,8 @@ GPT_BLOCK = "lightning_mics.app.models.gpt.Block"
 def test_checkpointing_recomputes_and_keeps_fewer_bytes(tmp_path):
     """A 4-block GPT, 2 ranks: bytes autograd keeps for backward, counted by the step's own saved-tensor hooks,
     and forward-only ops (gelu) that run inside backward, counted by a dispatch mode. Off: no recomputation;
-    one block per group: each block replayed, fewer bytes kept; two per group: fewer still."""
+    one block per group: each block replayed, fewer bytes kept; two per group: fewer still. These are the bytes in
+    autograd's saved tensors only; test_what_checkpointing_keeps_alive counts every holder."""
     variants = [{"s": 2}, {"s": 2, "activation_checkpointing": [GPT_BLOCK]},
                 {"s": 2, "activation_checkpointing": [GPT_BLOCK], "checkpoint_group_size": 2}]
     res = run_ranks(SCRIPTS / "equiv.py", 2, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count", "--measure",
