@@ -17,9 +17,12 @@ memory efficient"), at the price of k blocks' gathered parameters alive while th
 [Note: activation offload]
 With ``activation_offload``, the checkpoint keeps a host copy of each segment's inputs instead of the inputs
 (on CUDA: pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay
-moves them back, and the pre-backward hook of the group's last block starts that copy ahead, on the side
-stream, so it overlaps the backward of the blocks after it. On CPU the host copy is a plain copy: the same
-code path, no memory saved (the device is the host).
+moves them back. A hook on the group's output starts that copy back on the side stream when the output's
+gradient is ready, which is when the blocks after the group have finished their backward, just before the
+replay needs it: so the copy back is not hidden behind compute. On one H100 (GPT-2 124M, groups of 2) offload
+cost 14-17 ms per step over grouping alone, about what its 151 MB each way take (benchmarks/RESULTS.md, "the
+CUDA paths the CPU suite cannot take"); starting a group's copy one group earlier would hide it, not measured
+yet. On CPU the host copy is a plain copy: the same code path, no memory saved (the device is the host).
 
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
