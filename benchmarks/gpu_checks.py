@@ -22,8 +22,8 @@ GPT in fp32, so "the same arithmetic" reads as a difference of 0 rather than as 
   allgather then segfaults on the engine's CUDA buckets (benchmarks/RESULTS.md): these two run on CPU only.
 
 Then speed and memory, not deterministic: GPT-2 124M under ``bf16-mixed``, MiCS without checkpointing, with
-it, and with grouped offloaded checkpointing (step ms, peak allocated GB). Prints one JSON line per case and writes them all
-to ``<out>/gpu_checks.json``.
+it, and with grouped offloaded checkpointing (step ms, peak allocated GB). Prints one JSON line per case and
+writes them all to ``<out>/gpu_checks.json``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.helpers
 BLOCK = "lightning_mics.app.models.gpt.Block"
 SMALL = dict(n_layer=4, n_head=4, n_embd=256, vocab=4096, block=256, batch=8)  # batch: global micro-batch
 TINY = dict(n_layer=4, n_head=2, n_embd=32, vocab=128, block=16, batch=4)  # --accelerator cpu
@@ -58,7 +59,8 @@ CASES = {  # name: (processes, MiCS options, precision, compile)
     "two_torch": (2, {"sharded_data_parallel_degree": 2, "hierarchical_allgather": False,
                       "param_persistence_threshold": 0, "kernels": "torch"}, "32-true", False),
 }
-SIBLING = {"ac": "mics", "ac_offload": "ac", "compile_ac": "compile_plain", "two_triton": "mics", "two_torch": "two_triton"}
+SIBLING = {"ac": "mics", "ac_offload": "ac", "compile_ac": "compile_plain", "two_triton": "mics",
+           "two_torch": "two_triton"}  # the case each is also compared with
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 SPEED = {"speed_none": {}, "speed_ac": {"activation_checkpointing": [BLOCK]},
          "speed_ac2": {"activation_checkpointing": [BLOCK], "checkpoint_group_size": 2},
@@ -263,19 +265,14 @@ def case_main(args) -> None:
 
 
 # -- the driver ------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(args, name: str, processes: int, timeout: float) -> str:
     """Runs a case in `processes` fresh interpreters (torchrun-style variables, one process per "node"): ''
     when they all exit 0, else the first failing process's last lines."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1" if args.accelerator == "cpu" else "0", CUBLAS_WORKSPACE_CONFIG=":4096:8", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), WORLD_SIZE=str(processes), LOCAL_RANK="0")
+    from tests.helpers.launch import free_port
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="1" if args.accelerator == "cpu" else "0",
+               CUBLAS_WORKSPACE_CONFIG=":4096:8", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(processes), LOCAL_RANK="0")
     cmd = [sys.executable, __file__, "--case", name, "--out", args.out, "--accelerator", args.accelerator,
            "--small", str(args.small), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     logs = [Path(args.out) / f"{name}.{r}.log" for r in range(processes)]
@@ -336,7 +333,8 @@ def main() -> None:
             got = torch.load(Path(args.out) / f"{name}.pt", weights_only=False)
             params = got.pop("params", None)
             if params is not None:
-                ref = torch.load(Path(args.out) / ("fp16_plain.pt" if name == "fp16" else "plain.pt"), weights_only=False)
+                ref = torch.load(Path(args.out) / ("fp16_plain.pt" if name == "fp16" else "plain.pt"),
+                                 weights_only=False)
                 row["max_abs_diff_vs_plain"] = max_diff(params, ref["params"])
                 if name in SIBLING and (Path(args.out) / f"{SIBLING[name]}.pt").exists():
                     sibling = torch.load(Path(args.out) / f"{SIBLING[name]}.pt", weights_only=False)["params"]

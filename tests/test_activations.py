@@ -90,8 +90,8 @@ def test_what_checkpointing_keeps_alive(tmp_path):
     (the host copies replace them; on CUDA this is the device memory it frees, measured in benchmarks/gpu_checks.py).
     Each variant still replays every block once in backward."""
     ac = {"activation_checkpointing": [GPT_BLOCK]}
-    variants = [{}, ac, {**ac, "checkpoint_group_size": 2}, {**ac, "checkpoint_group_size": 2, "activation_offload": True},
-                {**ac, "activation_offload": True}]
+    grouped = {**ac, "checkpoint_group_size": 2}
+    variants = [{}, ac, grouped, {**grouped, "activation_offload": True}, {**ac, "activation_offload": True}]
     (res,) = run_ranks(SCRIPTS / "ac_alive.py", 1, ["--variants", json.dumps(variants)], tmp_path)
     assert [r["alive"] for r in res] == [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4, [False] * 4]
     assert [r["replays"] for r in res] == [0, 4, 4, 4, 4]

@@ -1,6 +1,7 @@
 """One process of tests/test_activations.py::test_what_checkpointing_keeps_alive: which blocks' inputs are still
 alive when forward has ended, read through weak references to their storage (so whatever holds one counts:
-autograd's saved tensors, a checkpoint's saved inputs, any other reference), for each variant of checkpointing; then backward and a step run as usual.
+autograd's saved tensors, a checkpoint's saved inputs, any other reference), for each variant of checkpointing;
+then backward and a step run as usual.
 
     python ac_alive.py --out DIR --variants JSON
 """
