@@ -88,11 +88,13 @@ def test_what_checkpointing_keeps_alive(tmp_path):
     reference counts, not only autograd's saved tensors): all four without checkpointing and with one block per
     group; only each group's first with two per group (the inner block's input is recomputed); none with offload
     (the host copies replace them; on CUDA this is the device memory it frees, measured in benchmarks/gpu_checks.py).
-    Each variant still replays every block once in backward."""
+    Each variant still replays every block once in backward. The same under bf16-mixed."""
     ac = {"activation_checkpointing": [GPT_BLOCK]}
     grouped = {**ac, "checkpoint_group_size": 2}
     variants = [{}, ac, grouped, {**grouped, "activation_offload": True}, {**ac, "activation_offload": True}]
-    (res,) = run_ranks(SCRIPTS / "ac_alive.py", 1, ["--variants", json.dumps(variants)], tmp_path)
-    assert [r["alive"] for r in res] == [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4, [False] * 4]
-    assert [r["replays"] for r in res] == [0, 4, 4, 4, 4]
-    assert len({r["loss"] for r in res}) == 1
+    bf16 = [{**v, "precision": "bf16-mixed"} for v in variants]
+    (res,) = run_ranks(SCRIPTS / "ac_alive.py", 1, ["--variants", json.dumps(variants + bf16)], tmp_path)
+    assert [r["alive"] for r in res] == 2 * [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4,
+                                             [False] * 4]
+    assert [r["replays"] for r in res] == 2 * [0, 4, 4, 4, 4]
+    assert len({r["loss"] for r in res[:5]}) == len({r["loss"] for r in res[5:]}) == 1

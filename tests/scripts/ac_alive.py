@@ -26,7 +26,9 @@ from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 
 
 def alive_after_forward(options: dict) -> dict:
-    fabric = L.Fabric(accelerator="cpu", devices=1, strategy=MiCSStrategy(**options))
+    options = dict(options)
+    precision = options.pop("precision", "32-true")  # the variant's Fabric precision, the rest MiCS options
+    fabric = L.Fabric(accelerator="cpu", devices=1, precision=precision, strategy=MiCSStrategy(**options))
     fabric.launch()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=32))
