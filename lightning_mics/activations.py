@@ -19,10 +19,13 @@ With ``activation_offload``, the checkpoint keeps a host copy of each segment's 
 (on CUDA: pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay
 moves them back. A hook on the group's output starts that copy back on the side stream when the output's
 gradient is ready, which is when the blocks after the group have finished their backward, just before the
-replay needs it: so the copy back is not hidden behind compute. On one H100 (GPT-2 124M, groups of 2) offload
-cost 14-17 ms per step over grouping alone, about what its 151 MB each way take (benchmarks/RESULTS.md, "the
-CUDA paths the CPU suite cannot take"); starting a group's copy one group earlier would hide it, not measured
-yet. On CPU the host copy is a plain copy: the same code path, no memory saved (the device is the host).
+replay needs it. On one H200 (GPT-2 124M, bf16-mixed, groups of 2; benchmarks/RESULTS.md, "the CUDA paths the
+CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB), 2.8 ms per step per direction, while
+offload cost 5-22 ms per step over grouping alone (three interleaved pairs): the step is bound by the host (the
+GPU busy about 45 of its 75-105 ms), and offload's cost is host time, not waiting for copies. Starting each copy
+back one group earlier was tried there and measured no faster (99 / 94 / 115 ms against 99 / 91 / 105 ms), so
+it is not done. On CPU the host copy is a plain copy: the same code path, no memory saved (the device is the
+host).
 
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save

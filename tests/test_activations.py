@@ -88,13 +88,22 @@ def test_what_checkpointing_keeps_alive(tmp_path):
     reference counts, not only autograd's saved tensors): all four without checkpointing and with one block per
     group; only each group's first with two per group (the inner block's input is recomputed); none with offload
     (the host copies replace them; on CUDA this is the device memory it frees, measured in benchmarks/gpu_checks.py).
-    Each variant still replays every block once in backward. The same under bf16-mixed."""
+    Each variant still replays every block once in backward. The same under bf16-mixed, and under the Trainer.
+
+    With offload, backward asks each group's host copy back from the hook on the group's output, before its replay
+    takes it (on CUDA that copy runs on a side stream; its time in benchmarks/RESULTS.md), last group first."""
     ac = {"activation_checkpointing": [GPT_BLOCK]}
     grouped = {**ac, "checkpoint_group_size": 2}
     variants = [{}, ac, grouped, {**grouped, "activation_offload": True}, {**ac, "activation_offload": True}]
     bf16 = [{**v, "precision": "bf16-mixed"} for v in variants]
-    (res,) = run_ranks(SCRIPTS / "ac_alive.py", 1, ["--variants", json.dumps(variants + bf16)], tmp_path)
-    assert [r["alive"] for r in res] == 2 * [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4,
+    trainer = [{**v, "front": "trainer"} for v in variants]
+    (res,) = run_ranks(SCRIPTS / "ac_alive.py", 1, ["--variants", json.dumps(variants + bf16 + trainer)], tmp_path)
+    assert [r["alive"] for r in res] == 3 * [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4,
                                              [False] * 4]
-    assert [r["replays"] for r in res] == 2 * [0, 4, 4, 4, 4]
-    assert len({r["loss"] for r in res[:5]}) == len({r["loss"] for r in res[5:]}) == 1
+    assert [r["replays"] for r in res] == 3 * [0, 4, 4, 4, 4]
+    fabric_32, fabric_bf16, trainer_32 = res[:5], res[5:10], res[10:]
+    assert len({r["loss"] for r in fabric_32 + trainer_32}) == len({r["loss"] for r in fabric_bf16}) == 1
+
+    def in_order(groups):  # last group first: its hook asks for its copy, then its replay takes it
+        return [[e, g] for g in reversed(range(groups)) for e in ("ask", "take")]
+    assert [r["copies"] for r in res] == 3 * [[], [], [], in_order(2), in_order(4)]
