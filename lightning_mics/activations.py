@@ -20,12 +20,11 @@ With ``activation_offload``, the checkpoint keeps a host copy of each segment's 
 moves them back. A hook on the group's output starts that copy back on the side stream when the output's
 gradient is ready, which is when the blocks after the group have finished their backward, just before the
 replay needs it. On one H200 (GPT-2 124M, bf16-mixed, groups of 2; benchmarks/RESULTS.md, "the CUDA paths the
-CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB), 2.8 ms per step per direction, while
-offload cost 5-22 ms per step over grouping alone (three interleaved pairs): the step is bound by the host (the
-GPU busy about 45 of its 75-105 ms), and offload's cost is host time, not waiting for copies. Starting each copy
-back one group earlier was tried there and measured no faster (99 / 94 / 115 ms against 99 / 91 / 105 ms), so
-it is not done. On CPU the host copy is a plain copy: the same code path, no memory saved (the device is the
-host).
+CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB), 2.8 ms per step per direction; that
+step is bound by the host, and its time moves more from process to process (grouping alone 76-114 ms) than
+offload moves it. Starting each copy back one group earlier, and copying on the compute stream instead of a side
+stream, were tried there; neither stood out of that spread, so neither is done. On CPU the host copy is a plain
+copy: the same code path, no memory saved (the device is the host).
 
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
