@@ -19,12 +19,15 @@ With ``activation_offload``, the checkpoint keeps a host copy of each segment's 
 (on CUDA: pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay
 moves them back. A hook on the group's output starts that copy back on the side stream when the output's
 gradient is ready, which is when the blocks after the group have finished their backward, just before the
-replay needs it. On one H200 (GPT-2 124M, bf16-mixed, groups of 2; benchmarks/RESULTS.md, "the CUDA paths the
-CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB), 2.8 ms per step per direction; that
-step is bound by the host, and its time moves more from process to process (grouping alone 76-114 ms) than
-offload moves it. Starting each copy back one group earlier, and copying on the compute stream instead of a side
-stream, were tried there; neither stood out of that spread, so neither is done. On CPU the host copy is a plain
-copy: the same code path, no memory saved (the device is the host).
+replay needs it. The host copies are held by that hook and the replay alone, so they go with the graph after
+backward (until 2026-11-27 the segment kept them to the next forward: pinned host memory the size of every
+offloaded input held through the optimizer step, validation and saves). On one H200 (GPT-2 124M, bf16-mixed,
+groups of 2; benchmarks/RESULTS.md, "the CUDA paths the CPU suite cannot take") each group's copy takes 0.46 ms
+each way (25 MB), 2.8 ms per step per direction; that step is bound by the host, and its time moves more from
+process to process (grouping alone 76-114 ms) than offload moves it. Starting each copy back one group earlier,
+and copying on the compute stream instead of a side stream, were tried there; neither stood out of that spread,
+so neither is done. On CPU the host copy is a plain copy: the same code path, no memory saved (the device is the
+host).
 
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
@@ -157,7 +160,7 @@ class _Segment:
         self.calls: List[Tuple[tuple, dict]] = []  # each block's arguments but the first
         self.outputs: List[Any] = []
         self.gen = None
-        self.host: List[_HostCopy] = []
+        self.host: List[_HostCopy] = []  # the host copies of the inputs, from entry to the end of the forward
         self.callback: Any = None  # dynamo's frame callback while forward entered the segment (compiled), or None
 
 
@@ -218,13 +221,14 @@ class ActivationCheckpointing:
             seg.outputs.append(output)
             if output is None:  # the forward raised: leave the checkpoint's context
                 seg.gen.close()
-                seg.gen = None
+                seg.gen, seg.host = None, []
             elif j == len(seg.blocks) - 1:
                 next(seg.gen, None)
                 seg.gen = None
                 seg.calls, seg.outputs = [], []  # the replay uses what it was given on entry
                 if self.offload and isinstance(output, Tensor) and output.requires_grad:
-                    output.register_hook(lambda g, seg=seg: self._prefetch(seg, g))
+                    output.register_hook(lambda g, copies=seg.host: self._prefetch(copies, g))
+                seg.host = []  # held by the hook and the replay alone: gone with the graph, not kept to the next step
         return hook
 
     def _enter(self, seg: _Segment, args: tuple, kwargs: dict) -> None:
@@ -259,8 +263,8 @@ class ActivationCheckpointing:
             replay, True, noop_context_fn, "default", False, True, *saved, **kwargs)
         next(seg.gen)
 
-    def _prefetch(self, seg: _Segment, grad: Tensor) -> Tensor:
-        for h in seg.host:
+    def _prefetch(self, copies: List[_HostCopy], grad: Tensor) -> Tensor:
+        for h in copies:
             h.prefetch(self.stream)
         return grad
 

@@ -88,7 +88,9 @@ def test_what_checkpointing_keeps_alive(tmp_path):
     reference counts, not only autograd's saved tensors): all four without checkpointing and with one block per
     group; only each group's first with two per group (the inner block's input is recomputed); none with offload
     (the host copies replace them; on CUDA this is the device memory it frees, measured in benchmarks/gpu_checks.py).
-    Each variant still replays every block once in backward. The same under bf16-mixed, and under the Trainer.
+    Each variant still replays every block once in backward, and once the step is done no input is alive, the
+    replays' included (offload kept its host copies until the next forward). The same under bf16-mixed, and under
+    the Trainer.
 
     With offload, backward asks each group's host copy back from the hook on the group's output, before its replay
     takes it (on CUDA that copy runs on a side stream; its time in benchmarks/RESULTS.md), last group first."""
@@ -101,6 +103,7 @@ def test_what_checkpointing_keeps_alive(tmp_path):
     assert [r["alive"] for r in res] == 3 * [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4,
                                              [False] * 4]
     assert [r["replays"] for r in res] == 3 * [0, 4, 4, 4, 4]
+    assert [r["alive_after_step"] for r in res] == 15 * [0]  # nothing kept past backward, replays' inputs included
     fabric_32, fabric_bf16, trainer_32 = res[:5], res[5:10], res[10:]
     assert len({r["loss"] for r in fabric_32 + trainer_32}) == len({r["loss"] for r in fabric_bf16}) == 1
 

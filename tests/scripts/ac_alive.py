@@ -1,8 +1,9 @@
 """One process of tests/test_activations.py::test_what_checkpointing_keeps_alive: which blocks' inputs are still
 alive when forward has ended, read through weak references to their storage (so whatever holds one counts:
 autograd's saved tensors, a checkpoint's saved inputs, any other reference), for each variant of checkpointing,
-under Fabric or the Trainer; then backward and a step run as usual. With offload it also records, in backward,
-when each group's host copy is asked back (the output's hook) and when its replay takes it.
+under Fabric or the Trainer; then backward and a step run as usual, and how many inputs (the replays' too) are
+still alive after them. With offload it also records, in backward, when each group's host copy is asked back (the
+output's hook) and when its replay takes it.
 
     python ac_alive.py --out DIR --variants JSON
 """
@@ -77,7 +78,11 @@ def with_fabric(options: dict, precision: str) -> dict:
     alive = [not ref.expired() for ref in inputs[:4]]
     fabric.backward(loss)
     opt.step()
-    return {"alive": alive, "replays": len(inputs) - 4, "loss": float(loss)}
+    value = float(loss)
+    del loss
+    gc.collect()
+    return {"alive": alive, "replays": len(inputs) - 4, "loss": value,
+            "alive_after_step": sum(not ref.expired() for ref in inputs)}
 
 
 class Module(L.LightningModule):
@@ -93,7 +98,9 @@ class Module(L.LightningModule):
         return loss
 
     def on_train_end(self):
+        gc.collect()
         self.seen["replays"] = len(self.inputs) - 4
+        self.seen["alive_after_step"] = sum(not ref.expired() for ref in self.inputs)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
