@@ -78,7 +78,7 @@ class MiCSEngine:
                                  reshard_after_forward)
         self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize)
         self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
-                           self.schedule, self.grads)
+                           self.schedule, self.grads, owner=self)  # the module keeps its engine while sharded
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
         self.activations = ActivationCheckpointing(groups, activation_offload, self.log) if groups else None
 

@@ -233,7 +233,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         """The full state dict (fp32 masters) on rank 0, {} elsewhere. Collective."""
-        engine = F.ENGINES.get(module)
+        engine = F.engine_of(module)
         if engine is None:
             return super().get_module_state_dict(module)
         return engine.full_state_dict(dst=0)
@@ -253,7 +253,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
 
     def model_state_bytes(self, module: nn.Module, optimizers: List[Optimizer] = ()) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds for ``module``."""
-        return F.ENGINES[module].model_state_bytes([F.unwrap(o) for o in optimizers])
+        return F.engine_of(module).model_state_bytes([F.unwrap(o) for o in optimizers])
 
     @override
     def teardown(self) -> None:
@@ -286,7 +286,7 @@ class _MiCSBackwardSync(_BackwardSyncControl):
 
 @contextmanager
 def _deferred(module: nn.Module, enabled: bool) -> Generator[None, None, None]:
-    engine = F.ENGINES.get(module)
+    engine = F.engine_of(module)
     if engine is None:
         raise ValueError("MiCSStrategy: fabric.no_backward_sync(model) needs a model set up by this strategy "
                          "(fabric.setup or fabric.setup_module).")

@@ -29,7 +29,7 @@ from lightning_mics import checkpoint as ckpt
 from lightning_mics import checkpoint_files as files
 from lightning_mics import checkpoint_steps as steps
 from lightning_mics import feedback_state as feedback
-from lightning_mics.frontend import ENGINES, engine_holding
+from lightning_mics.frontend import engine_holding, engine_of
 
 Strategy = Any  # lightning_mics.fabric.MiCSStrategy (not imported: that module imports this one)
 
@@ -86,13 +86,13 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
     with torch.inference_mode(False):
         if strategy.options.state_dict_type == "sharded":
             steps.refuse_remote_sharded(path, storage_options)
-            tensors = {k: ckpt.model_state(m, ENGINES.get(m)) for k, m in modules.items()}
+            tensors = {k: ckpt.model_state(m, engine_of(m)) for k, m in modules.items()}
             for k in [k for k in tensors if k in filter]:  # every rank writes the names rank 0's filter keeps
                 names = steps.broadcast(list(_kept(filter[k], tensors[k], strategy.is_global_zero)))
                 tensors[k] = {n: tensors[k][n] for n in names}
             tensors.update({k: ckpt.optimizer_state_by_name(owners[k][0], o, owners[k][1])
                             for k, o in optimizers.items()})
-            engines = {k: ENGINES.get(m) for k, m in modules.items()}  # [Note: residuals in checkpoints]
+            engines = {k: engine_of(m) for k, m in modules.items()}  # [Note: residuals in checkpoints]
             tensors.update(feedback.entries(engines, strategy.global_rank))
             meta[files.MARKER] = files.marker("sharded", fabric=info, world_size=strategy.world_size,
                                               shard_size=strategy.topology.layout.shard_size,
@@ -100,7 +100,7 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
             ckpt.write_sharded(tensors, meta, Path(path), token, coordinator=strategy.is_global_zero)
             return
         for k, m in modules.items():
-            engine = ENGINES.get(m)
+            engine = engine_of(m)
             meta[k] = engine.full_state_dict(dst=0) if engine is not None else m.state_dict()
             if k in filter:
                 meta[k] = _kept(filter[k], meta[k], strategy.is_global_zero)
@@ -150,7 +150,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     modules, optimizers, rest = _split(state)
     with torch.inference_mode(False):
         if full is not None:
-            feedback.warn_full({k: ENGINES.get(m) for k, m in modules.items()}, path)
+            feedback.warn_full({k: engine_of(m) for k, m in modules.items()}, path)
             for k, m in modules.items():
                 if k in full:
                     _load_module(m, full.pop(k), strict)
@@ -160,7 +160,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             remainder = full
         else:
             assert meta is not None and index is not None
-            mods = {k: (m, ENGINES.get(m)) for k, m in modules.items() if k in present}
+            mods = {k: (m, engine_of(m)) for k, m in modules.items() if k in present}
             opts = {}
             for k, o in optimizers.items():
                 if k in present:
@@ -172,7 +172,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra=residuals)
             feedback.restore(engines, residuals)
             for k, (m, _) in mods.items():  # the shards were read in place; buffers and plain modules through this
-                ckpt.apply_model_state(m, ckpt.model_state(m, ENGINES.get(m)), ENGINES.get(m))
+                ckpt.apply_model_state(m, ckpt.model_state(m, engine_of(m)), engine_of(m))
             remainder = dict(meta)
     remainder.pop(files.MARKER, None)
     for k, v in rest.items():
@@ -207,7 +207,7 @@ def _load_raw(strategy: Strategy, path: Any, obj: Union[nn.Module, Optimizer], s
 
 
 def _load_module(module: nn.Module, full: Dict[str, Any], strict: bool) -> None:
-    engine = ENGINES.get(module)
+    engine = engine_of(module)
     if engine is not None:
         engine.load_full_state_dict(full, strict=strict)
     else:

@@ -8,9 +8,21 @@
 - clipping by norm (reduced over the shard group: clip.py) and by value (elementwise: on the shards as they are);
 - teardown: plain again when the model fits, otherwise left sharded ([Note: after fit]).
 
-Every module that has been sharded is found through ``ENGINES`` (kept beside the module, never inside it: the
-module stays picklable). A front end may hold several (Fabric: a GAN's generator and discriminator), all on one
-``Topology``.
+Every module that has been sharded is found through ``engine_of`` ([Note: engines beside their modules]). A front
+end may hold several (Fabric: a GAN's generator and discriminator), all on one ``Topology``.
+
+[Note: engines beside their modules]
+``ENGINES`` maps a sharded module to a weak reference to its engine, as FSDP2's ``_module_state_mapping`` does, and
+the module keeps the engine alive through its hooks (``Hooks.owner``). An engine refers to its module in many
+places (``root``, the root unit, parameters' owners), so a strong value would keep the key alive for good: every
+module ever sharded, with its shards, gradients and buffers, held to the end of the process, whatever the user
+dropped (a Fabric loop set up again in a notebook, a sweep's jobs in one process, a model kept sharded after
+``fit``). With the weak value, a module dropped by the user and by the front ends goes with its engine, while a
+module left sharded after ``fit`` still finds its engine in the next one (it holds it). The parameters'
+gradient hooks call their unit through weak references (``unit._weak_hook``): autograd keeps them from C++,
+where Python's gc cannot see them, so a strong one would hold the unit, and through it everything, as a root.
+Nothing of the engine is inside the module but its hooks: a plain module (after ``make_plain``) is picklable
+again. Tested by tests/test_lifetime.py: before, every module ever sharded stayed alive to the end of the process.
 
 [Note: after fit]
 A model whose parameters fit in ``max_live_parameters`` (elements), without tensor parallelism, is made plain
@@ -52,7 +64,17 @@ from lightning_mics.config import MiCSOptions, optimizer_state_only
 from lightning_mics.engine import MiCSEngine
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
-ENGINES: "weakref.WeakKeyDictionary[nn.Module, MiCSEngine]" = weakref.WeakKeyDictionary()
+ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[MiCSEngine]]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(module: nn.Module) -> Optional[MiCSEngine]:
+    """The engine of a sharded module, None for a plain one ([Note: engines beside their modules])."""
+    ref = ENGINES.get(module)
+    return None if ref is None else ref()
+
+
+def live_engines() -> List[MiCSEngine]:
+    return [e for e in (ref() for ref in list(ENGINES.values())) if e is not None]
 
 
 # -- layout ---------------------------------------------------------------------------------------------------
@@ -197,7 +219,7 @@ def shard(module: nn.Module, topology: Topology, options: MiCSOptions, device: t
     Each of ``optimizers`` (holding the module's plain parameters) is moved onto the shards with its state cut to
     this rank's rows. Runs with inference mode off (a user's ``inference_mode`` must not make shards inference
     tensors). Collective."""
-    previous = ENGINES.get(module)
+    previous = engine_of(module)
     if previous is not None and previous.topo is topology and previous.options == options \
             and previous.device == device:
         previous.reset(keep_feedback=True)  # a failed run dropped them already
@@ -208,7 +230,7 @@ def shard(module: nn.Module, topology: Topology, options: MiCSOptions, device: t
         names = {id(p): n for n, p in module.named_parameters()}
         states = [opt.state_dict() for opt in optimizers]
         engine = MiCSEngine(module, topology, options, device)
-        ENGINES[module] = engine
+        ENGINES[module] = weakref.ref(engine)  # the module's hooks hold the engine
         shards = dict(module.named_parameters())
         for opt, state in zip(optimizers, states):
             for group in opt.param_groups:
@@ -229,8 +251,8 @@ def make_plain(engine: MiCSEngine, optimizers: Sequence[torch.optim.Optimizer]) 
                 group["params"] = [mapping.get(id(p), p) for p in group["params"]]
             opt.state.clear()
             opt.load_state_dict(state)
-    for module, e in list(ENGINES.items()):
-        if e is engine:
+    for module, ref in list(ENGINES.items()):
+        if ref() is engine:
             ENGINES.pop(module, None)
 
 
@@ -252,7 +274,7 @@ def engine_holding(optimizer: torch.optim.Optimizer) -> Optional[MiCSEngine]:
     """The engine whose shards the optimizer holds (None: a plain optimizer). ValueError if it holds shards of
     several modules (its state could not be keyed by one module's parameter names) or a mix."""
     owners = {}
-    for e in list(ENGINES.values()):
+    for e in live_engines():
         ours = {id(p) for p in e.sharded_params()}
         for g in optimizer.param_groups:
             for p in g["params"]:
@@ -360,7 +382,7 @@ def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.
 def release_unused(topology: Optional[Topology]) -> Optional[Topology]:
     """Releases the mesh's groups if no engine uses it any more ([Note: one topology per layout]); returns the
     topology still in use, or None."""
-    if topology is not None and not any(e.topo is topology for e in ENGINES.values()):
+    if topology is not None and not any(e.topo is topology for e in live_engines()):
         T.release(topology)
         return None
     return topology

@@ -65,8 +65,9 @@ class Hooks:
     """Registers the hooks of every unit on its entry modules ([Note: one optimizer step]) and removes them."""
 
     def __init__(self, units: List[Unit], entries: Sequence[List[nn.Module]], schedule: Schedule,
-                 grads: GradientPath) -> None:
+                 grads: GradientPath, owner: Any = None) -> None:
         self.units, self.root = units, units[0]
+        self.owner = owner  # held by the hooks, so by the modules: [Note: engines beside their modules] (frontend.py)
         self.schedule, self.grads = schedule, grads
         self._callback_queued = False
         self._handles: List[Any] = []

@@ -306,7 +306,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
 
     # -- state: [Note: checkpoint state] in strategy_checkpoint.py ---------------------------------------
     def _sharded(self) -> bool:
-        return self._engine is not None and F.ENGINES.get(self.lightning_module) is self._engine
+        return self._engine is not None and F.engine_of(self.lightning_module) is self._engine
 
     def _live_engine(self) -> Optional[MiCSEngine]:
         return self._engine if self._sharded() else None

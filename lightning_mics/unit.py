@@ -5,8 +5,10 @@ parameters into the modules, and its own training state (as FSDP2's ``FSDPParamG
 from __future__ import annotations
 
 import enum
+import inspect
 import math
-from typing import Any, Dict, List, Optional, Tuple, Union
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,21 @@ from lightning_mics.topology import Topology
 AnyParam = Union[ShardedParam, ReplicatedParam]
 
 
+def _weak_hook(fn: Callable, arg: Any = None) -> Callable[[Tensor], None]:
+    """A post-accumulate-grad hook that calls ``fn(tensor)`` (or ``fn(arg)``) through weak references. Autograd
+    keeps a tensor's hooks from C++, where Python's gc cannot see them: a hook holding its unit (and through it
+    the hooks, the engine and the module) would keep all of them alive to the end of the process ([Note: engines
+    beside their modules] in frontend.py). The unit holds ``fn``, and the module's hooks hold the unit."""
+    fn_ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
+    arg_ref = None if arg is None else weakref.ref(arg)
+
+    def hook(t: Tensor) -> None:
+        f, a = fn_ref(), None if arg_ref is None else arg_ref()
+        if f is not None and (arg_ref is None or a is not None):
+            f(t if arg_ref is None else a)
+    return hook
+
+
 # [Note: unit lifecycle]
 # ``ShardedState``: SHARDED -> GATHERING (all-gather issued) -> GATHERED (copied out, full parameters in the
 # modules) -> SHARDED. ``TrainingState``: IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE.
@@ -33,6 +50,7 @@ AnyParam = Union[ShardedParam, ReplicatedParam]
 # root's forward: the end-of-backward callback reduces the root without releasing it (depth > 0), and the
 # post-step hook refreshes it. Which unit is gathered, kept or released when is decided in schedule.py; the
 # unit only carries the transitions out.
+
 class ShardedState(enum.Enum):
     SHARDED = "sharded"  # only the local flat shard exists
     GATHERING = "gathering"  # all-gather issued, not yet copied out
@@ -211,15 +229,16 @@ class Unit:
                 p.full.requires_grad_(p.sharded.requires_grad)
             if p.full.requires_grad and id(p) not in self.hook_handles:
                 if isinstance(p, ShardedParam) and self.on_accumulated is not None:
-                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(self.on_accumulated)
+                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(
+                        _weak_hook(self.on_accumulated))
                 elif isinstance(p, ReplicatedParam) and self.on_replicated is not None:
-                    hook = self.on_replicated
-                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(lambda _, rp=p: hook(rp))
+                    self.hook_handles[id(p)] = p.full.register_post_accumulate_grad_hook(
+                        _weak_hook(self.on_replicated, p))
             for ref in p.refs:
                 ref.module._parameters[ref.attr] = p.full
 
     def remove_hooks(self) -> None:
-        self.on_accumulated = self.on_replicated = None  # (they close over the hooks: no cycle left)
+        self.on_accumulated = self.on_replicated = None
         for h in self.hook_handles.values():
             h.remove()
         self.hook_handles.clear()

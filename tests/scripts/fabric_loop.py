@@ -446,7 +446,7 @@ def case_feedback_rows(s):
     saves halfway (sharded), trains on; then loads that checkpoint into the same, live model and optimizer (rows
     in flight, each replica's agreed copy taken) and trains on again, and a fresh model resumes from it. Both
     against the uninterrupted run; and every replica of a shard rank holds the same chunk bits at the end."""
-    from lightning_mics.frontend import ENGINES
+    from lightning_mics.frontend import engine_of
 
     fabric = new_fabric(int(s), state_dict_type="sharded", shard_optimizer_state=True, **EF)
     path = OUT / "ef-rows"
@@ -460,7 +460,7 @@ def case_feedback_rows(s):
     fabric.load(path, state)
     fabric_steps(fabric, model, opt, data, "none", state["step"], STEPS)
     live = full_state(fabric, model)
-    engine = ENGINES[model.module]
+    engine = engine_of(model.module)
     engine.quiesce()
     chunks = torch.cat([sp.local.reshape(-1) for u in engine.units for sp in u.params])
     every = [torch.empty_like(chunks) for _ in range(engine.topo.layout.replicas)]  # same shard rank: same size
@@ -474,9 +474,9 @@ def _refuses_foreign_residuals(model):
     """Residuals of the right names but another size (a checkpoint of another model) given to the engine that
     just resumed: refused with a ValueError, and none taken, not even one of the right size listed before it."""
     from lightning_mics import feedback_state
-    from lightning_mics.frontend import ENGINES
+    from lightning_mics.frontend import engine_of
 
-    engine = ENGINES[model.module]
+    engine = engine_of(model.module)
     before = [g.residual_state() for g in engine.grads.all]
     have = [(i, slots, res) for i, st in enumerate(before) for slots, res in st.items()]
     (i0, s0, r0), (i1, s1, r1) = have[0], have[-1]

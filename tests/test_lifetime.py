@@ -1,0 +1,29 @@
+"""What a dropped model leaves behind (2 ranks): nothing. A model set up under MiCS, trained and then dropped by
+its user is freed with its engine and its optimizer, variant after variant in one process (a notebook, a sweep's
+jobs): under Fabric, which keeps the module sharded, and under the Trainer, where fit makes a small model plain
+again and leaves a model larger than ``max_live_parameters`` sharded ([Note: engines beside their modules] in
+frontend.py). Before, every sharded module stayed alive to the end of the process: the engines' registry held
+each engine, which holds its module, and the parameters' gradient hooks, kept from C++, held their units."""
+
+import json
+
+import pytest
+
+from tests.helpers.launch import REPO, run_ranks
+
+pytestmark = pytest.mark.distributed
+BLOCK = "lightning_mics.app.models.gpt.Block"
+
+
+def test_a_dropped_model_is_freed_with_its_engine(tmp_path):
+    variants = [{"sharded_data_parallel_degree": 2}, {"sharded_data_parallel_degree": 1},
+                {"sharded_data_parallel_degree": 1, "shard_optimizer_state": True},
+                {"sharded_data_parallel_degree": 2, "activation_checkpointing": [BLOCK], "checkpoint_group_size": 2,
+                 "activation_offload": True},
+                {"front": "trainer", "sharded_data_parallel_degree": 2},
+                {"front": "trainer", "sharded_data_parallel_degree": 2, "max_live_parameters": 1000}]
+    res = run_ranks(REPO / "tests" / "scripts" / "lifetime.py", 2, ["--variants", json.dumps(variants)], tmp_path)
+    for rank in res:
+        assert [r["kept_sharded"] for r in rank] == [True, True, True, True, False, True], rank
+        assert [r["alive"] for r in rank] == 6 * [[False, False, False]], rank  # module, engine, optimizer
+        assert [r["engines_registered"] for r in rank] == 6 * [0], rank
