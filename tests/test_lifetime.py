@@ -1,4 +1,4 @@
-"""What a dropped model leaves behind (2 ranks): nothing. A model set up under MiCS, trained and then dropped by
+"""What a dropped model leaves behind: nothing. A model set up under MiCS, trained and then dropped by
 its user is freed with its engine and its optimizer, variant after variant in one process (a notebook, a sweep's
 jobs): under Fabric, which keeps the module sharded, and under the Trainer, where fit makes a small model plain
 again and leaves a model larger than ``max_live_parameters`` sharded ([Note: engines beside their modules] in
@@ -27,3 +27,20 @@ def test_a_dropped_model_is_freed_with_its_engine(tmp_path):
         assert [r["kept_sharded"] for r in rank] == [True, True, True, True, False, True], rank
         assert [r["alive"] for r in rank] == 6 * [[False, False, False]], rank  # module, engine, optimizer
         assert [r["engines_registered"] for r in rank] == 6 * [0], rank
+
+
+def test_quantized_and_optimizer_rows_layouts_are_freed_too(tmp_path):
+    """4 ranks (s = 2, r = 2): int8 replica traffic with error feedback (its residuals), the optimizer's rows over
+    replicas (their all-gathers after each step), both together, and the Trainer keeping the rows layout sharded."""
+    variants = [{"sharded_data_parallel_degree": 2, "quantize_gradients": "error_feedback"},
+                {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+                {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True,
+                 "quantize_gradients": "error_feedback"},
+                {"front": "trainer", "sharded_data_parallel_degree": 2, "shard_optimizer_state": True,
+                 "max_live_parameters": 1000}]
+    res = run_ranks(REPO / "tests" / "scripts" / "lifetime.py", 4, ["--variants", json.dumps(variants)], tmp_path)
+    for rank in res:
+        assert [r["kept_sharded"] for r in rank] == 4 * [True], rank
+        assert [r["alive"] for r in rank] == 4 * [[False, False, False]], rank
+        assert [r["engines_registered"] for r in rank] == 4 * [0], rank
+

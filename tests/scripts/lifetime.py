@@ -10,6 +10,7 @@ them.
 import argparse
 import gc
 import json
+import os
 import sys
 import weakref
 from pathlib import Path
@@ -28,6 +29,7 @@ from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
 from lightning_mics.strategy import MiCSStrategy  # noqa: E402
 
 VOCAB, STEPS = 64, 2
+WORLD = int(os.environ["WORLD_SIZE"])
 BLOCK = "lightning_mics.app.models.gpt.Block"
 
 
@@ -45,7 +47,7 @@ def lm_loss(logits, x):
 
 
 def with_fabric(options: dict) -> tuple:
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricMiCS(**options))
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=FabricMiCS(**options))
     fabric.launch()
     model = gpt()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -74,7 +76,7 @@ class Module(L.LightningModule):
 
 def with_trainer(options: dict) -> tuple:
     module = Module()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MiCSStrategy(**options), max_steps=STEPS,
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=MiCSStrategy(**options), max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module)
