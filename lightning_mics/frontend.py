@@ -22,7 +22,7 @@ module left sharded after ``fit`` still finds its engine in the next one (it hol
 gradient hooks call their unit through weak references (``unit._weak_hook``): autograd keeps them from C++,
 where Python's gc cannot see them, so a strong one would hold the unit, and through it everything, as a root.
 Nothing of the engine is inside the module but its hooks: a plain module (after ``make_plain``) is picklable
-again. Tested by tests/test_lifetime.py: before, every module ever sharded stayed alive to the end of the process.
+again. tests/test_lifetime.py reads, through weak references, that a dropped module goes with its engine.
 
 [Note: after fit]
 A model whose parameters fit in ``max_live_parameters`` (elements), without tensor parallelism, is made plain
@@ -74,6 +74,7 @@ def engine_of(module: nn.Module) -> Optional[MiCSEngine]:
 
 
 def live_engines() -> List[MiCSEngine]:
+    """The engines of the modules still sharded."""
     return [e for e in (ref() for ref in list(ENGINES.values())) if e is not None]
 
 
