@@ -16,13 +16,13 @@ end may hold several (Fabric: a GAN's generator and discriminator), all on one `
 the module keeps the engine alive through its hooks (``Hooks.owner``). An engine refers to its module in many
 places (``root``, the root unit, parameters' owners), so a strong value would keep the key alive for good: every
 module ever sharded, with its shards, gradients and buffers, held to the end of the process, whatever the user
-dropped (a Fabric loop set up again in a notebook, a sweep's jobs in one process, a model kept sharded after
-``fit``). With the weak value, a module dropped by the user and by the front ends goes with its engine, while a
-module left sharded after ``fit`` still finds its engine in the next one (it holds it). The parameters'
-gradient hooks call their unit through weak references (``unit._weak_hook``): autograd keeps them from C++,
-where Python's gc cannot see them, so a strong one would hold the unit, and through it everything, as a root.
-Nothing of the engine is inside the module but its hooks: a plain module (after ``make_plain``) is picklable
-again. tests/test_lifetime.py reads, through weak references, that a dropped module goes with its engine.
+dropped (a Fabric loop set up again in a notebook, a model kept sharded after ``fit``, a ``fit`` that failed).
+With the weak value, a module dropped by the user and by the front ends goes with its engine, while a module
+left sharded after ``fit`` still finds its engine in the next one (it holds it). The parameters' gradient hooks
+call their unit through weak references (``unit._weak_hook``): autograd keeps them from C++, where Python's gc
+cannot see them, so a strong one would hold the unit, and through it everything, as a root. Nothing of the
+engine is inside the module but its hooks: a plain module (after ``make_plain``) is picklable again.
+tests/test_lifetime.py reads, through weak references, that a dropped module goes with its engine.
 
 [Note: after fit]
 A model whose parameters fit in ``max_live_parameters`` (elements), without tensor parallelism, is made plain
