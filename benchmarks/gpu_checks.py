@@ -340,10 +340,11 @@ def main() -> None:
             rows[name].append(dict(run_case(args, name, report["cases"]), round=r + 1))
             print(json.dumps({"case": name, **rows[name][-1]}), flush=True)
     for name in speed:
-        report["cases"][name] = rows[name][0] if args.rounds == 1 else summarize(rows[name])
-        if args.rounds > 1:
-            print(json.dumps({"case": name, **{k: v for k, v in report["cases"][name].items() if k != "rounds"}}),
-                  flush=True)
+        if args.rounds == 1:
+            report["cases"][name] = rows[name][0]
+            continue
+        report["cases"][name] = summary = summarize(rows[name])
+        print(json.dumps({"case": name, **{k: v for k, v in summary.items() if k != "rounds"}}), flush=True)
     (Path(args.out) / "gpu_checks.json").write_text(json.dumps(report, indent=1))
 
 

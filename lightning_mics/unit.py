@@ -34,9 +34,9 @@ def _weak_hook(fn: Callable, arg: Any = None) -> Callable[[Tensor], None]:
     arg_ref = None if arg is None else weakref.ref(arg)
 
     def hook(t: Tensor) -> None:
-        f, a = fn_ref(), None if arg_ref is None else arg_ref()
-        if f is not None and (arg_ref is None or a is not None):
-            f(t if arg_ref is None else a)
+        f, a = fn_ref(), t if arg_ref is None else arg_ref()
+        if f is not None and a is not None:
+            f(a)
     return hook
 
 
