@@ -21,12 +21,15 @@ def test_a_dropped_model_is_freed_with_its_engine(tmp_path):
                 {"sharded_data_parallel_degree": 2, "activation_checkpointing": [BLOCK], "checkpoint_group_size": 2,
                  "activation_offload": True},
                 {"front": "trainer", "sharded_data_parallel_degree": 2},
-                {"front": "trainer", "sharded_data_parallel_degree": 2, "max_live_parameters": 1000}]
+                {"front": "trainer", "sharded_data_parallel_degree": 2, "max_live_parameters": 1000},
+                {"sharded_data_parallel_degree": 2, "precision": "bf16-mixed"},  # (its param_dtype copies too)
+                {"front": "trainer", "sharded_data_parallel_degree": 2, "max_live_parameters": 1000,
+                 "precision": "bf16-mixed"}]
     res = run_ranks(REPO / "tests" / "scripts" / "lifetime.py", 2, ["--variants", json.dumps(variants)], tmp_path)
     for rank in res:
-        assert [r["kept_sharded"] for r in rank] == [True, True, True, True, False, True], rank
-        assert [r["alive"] for r in rank] == 6 * [[False, False, False]], rank  # module, engine, optimizer
-        assert [r["engines_registered"] for r in rank] == 6 * [0], rank
+        assert [r["kept_sharded"] for r in rank] == [True, True, True, True, False, True, True, True], rank
+        assert [r["alive"] for r in rank] == 8 * [[False, False, False]], rank  # module, engine, optimizer
+        assert [r["engines_registered"] for r in rank] == 8 * [0], rank
 
 
 def test_quantized_and_optimizer_rows_layouts_are_freed_too(tmp_path):

@@ -46,8 +46,8 @@ def lm_loss(logits, x):
     return F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
 
 
-def with_fabric(options: dict) -> tuple:
-    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=FabricMiCS(**options))
+def with_fabric(options: dict, precision: str) -> tuple:
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, precision=precision, strategy=FabricMiCS(**options))
     fabric.launch()
     model = gpt()
     model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -74,9 +74,10 @@ class Module(L.LightningModule):
         return torch.utils.data.DataLoader(list(tokens(self.global_rank)), batch_size=None)
 
 
-def with_trainer(options: dict) -> tuple:
+def with_trainer(options: dict, precision: str) -> tuple:
     module = Module()
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=MiCSStrategy(**options), max_steps=STEPS,
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, precision=precision, strategy=MiCSStrategy(**options),
+                        max_steps=STEPS,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module)
@@ -94,7 +95,8 @@ def main() -> None:
     for v in json.loads(args.variants):
         options = dict(v)
         run = with_trainer if options.pop("front", "fabric") == "trainer" else with_fabric
-        refs = run(options)
+        precision = options.pop("precision", "32-true")
+        refs = run(options, precision)
         kept_sharded = refs[1]() is not None
         gc.collect()
         res.append({"kept_sharded": kept_sharded, "alive": [r() is not None for r in refs],
