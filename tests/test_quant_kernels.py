@@ -87,7 +87,13 @@ def assert_bits(a, b):
     assert torch.equal(a[~nan].view(ints[a.dtype]), b[~nan].view(ints[b.dtype]))
 
 
-def bucket(gen, device, sizes=(37, (5, 3), 100, (), 0, 1, (2, 64), 300), scale=1.0):
+# The interpreter runs a kernel's programs one after another, one per block: one-element blocks get a smaller
+# bucket with the same kinds of tensor (every dtype, 0-d, empty, one element, 2-d, tensors across chunk edges).
+BUCKET = (37, (5, 3), 100, (), 0, 1, (2, 64), 300)
+BUCKET_FOR_BLOCK_1 = (37, (5, 3), 10, (), 0, 1, (2, 6), 30)
+
+
+def bucket(gen, device, sizes=BUCKET, scale=1.0):
     ts = []
     for i, s in enumerate(sizes):
         mag = 10.0 ** float(torch.randint(-3, 4, (), generator=gen))  # blocks of very different magnitudes
@@ -107,7 +113,7 @@ def flat_of(ts):
 @pytest.mark.parametrize("block", [1, 3, 16, 100])
 def test_matches_reference_and_backends_agree(device, r, block):
     gen = torch.Generator().manual_seed(r * 1000 + block)
-    ts = bucket(gen, device)
+    ts = bucket(gen, device, sizes=BUCKET_FOR_BLOCK_1 if block == 1 else BUCKET)
     n = sum(t.numel() for t in ts)
     want = ref_wire(flat_of(ts), block, r)
     c, nb = layout_of(n, block, r)
@@ -126,7 +132,7 @@ def test_matches_reference_and_backends_agree(device, r, block):
 
 @pytest.mark.triton
 @pytest.mark.parametrize("n,r,block", [(1, 1, 1), (1, 4, 2), (3, 2, 5), (17, 3, 4), (257, 4, 64), (891, 7, 100),
-                                       (4100, 2, 2048), (4100, 1, 4096), (300, 2, 1)])
+                                       (4100, 2, 2048), (4100, 1, 4096), (61, 2, 1)])
 def test_odd_sizes(device, n, r, block):
     x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(device)
     want = ref_wire(x, block, r)
@@ -155,7 +161,9 @@ def check_bound(x, deq, n, block, r):
 def test_error_bound_per_block(device, backend, block):
     """|x - dequant(quant(x))| <= absmax / 254 per block (fp32 rounding of the scale aside: SLACK)."""
     gen = torch.Generator().manual_seed(block)
-    ts = bucket(gen, device, sizes=(5000, 33, (7, 11), 1)) if block > 1 else bucket(gen, device)
+    # a first tensor of several blocks of each size (5000 elements for the large ones, 500 for 7)
+    sizes = {1: BUCKET_FOR_BLOCK_1, 7: (500, 33, (7, 11), 1)}.get(block, (5000, 33, (7, 11), 1))
+    ts = bucket(gen, device, sizes=sizes)
     n = sum(t.numel() for t in ts)
     for r in (1, 3):
         got = tk.quantize(ts, block, num_chunks=r, backend=backend)
