@@ -18,7 +18,7 @@ from typing import Dict
 import pytest
 import torch
 
-from tests.helpers.app import MICS_TINY, TINY, live_processes, run_app, start_app, wait_for
+from tests.helpers.app import MICS_TINY, TINY, live_processes, run_app, run_app_forked, start_app, wait_for
 
 # 12 optimizer steps; a periodic save every 5 keeps epoch=0-step=5.ckpt and step=10 (save_top_k=-1), and last.ckpt
 # holds step 12 (not a multiple of 5: the save at the step training ends on).
@@ -154,6 +154,6 @@ def test_a_folder_is_claimed_once(tmp_path: Path) -> None:
 
     taken = tmp_path / "taken"
     taken.mkdir()
-    proc = run_app([*TINY, f"hydra.run.dir={taken}"], cwd=tmp_path, timeout=120)
+    proc = run_app_forked([*TINY, f"hydra.run.dir={taken}"], cwd=tmp_path)  # (the answer is checked: forked)
     assert proc.returncode != 0 and f"hydra.run.dir='{taken}' already exists" in proc.stderr, proc.stderr[-3000:]
     assert list(taken.iterdir()) == []

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.helpers.app import COMMAND, MICS_TINY, TINY, app_env, run_app as _run
+from tests.helpers.app import COMMAND, MICS_TINY, TINY, app_env, run_app as _run, run_app_forked
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -138,15 +138,17 @@ def test_main_job_compiled_blocks(tmp_path: Path) -> None:
     ],
 )
 def test_bad_override_fails_at_compose(tmp_path: Path, override: str, message: str) -> None:
-    proc = _run([override, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=60)
+    """(Forked from the preloaded server, as in test_app_checks.py: the answer is what is checked.)"""
+    proc = run_app_forked([override, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "csv").exists()  # nothing ran
 
 
 def test_sharding_degree_must_divide_world(tmp_path: Path) -> None:
-    """MiCSStrategy raises ValueError naming the option before any process is launched."""
-    proc = _run(["strategy.sharded_data_parallel_degree=3", "trainer.devices=4",
+    """MiCSStrategy raises ValueError naming the option before any process is launched (forked, as above)."""
+    proc = run_app_forked(["strategy.sharded_data_parallel_degree=3", "trainer.devices=4",
                  f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=60)
     assert proc.returncode != 0
     assert "ValueError" in proc.stderr and "sharded_data_parallel_degree" in proc.stderr, proc.stderr[-3000:]

@@ -32,6 +32,24 @@ def run_app(args: List[str], cwd: Path, timeout: float = 150) -> subprocess.Comp
     return subprocess.run([*COMMAND, *args], cwd=cwd, env=app_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_app_forked(args: List[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    """``run_app`` in a process forked from the test launcher's server, which has imported torch, Lightning,
+    Hydra and the package (``tests/helpers/launch.py``): the same module run as ``__main__`` with the same
+    arguments, environment and folder, without the interpreter's 10 s of imports. For mistakes answered before
+    any rank starts, where what a test checks is the answer, not the start."""
+    from tests.helpers.launch import start_module
+
+    out, err = cwd / "app.stdout", cwd / "app.stderr"
+    proc = start_module(COMMAND[2], args, app_env(), cwd, out, err)
+    try:
+        code = proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    return subprocess.CompletedProcess([*COMMAND, *args], code, out.read_text(), err.read_text())
+
+
 def start_app(args: List[str], cwd: Path, log: Path, **kwargs: Any) -> subprocess.Popen:
     """The job in the background, in a session of its own (as a shell runs a job: Ctrl-C reaches its whole
     process group); stdout and stderr go to ``log``."""

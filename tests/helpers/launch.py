@@ -9,7 +9,8 @@ The ranks are forked from a server process that has imported torch, Lightning an
 Lightning costs about 5 s of CPU per rank, which on this 2-core machine was most of a short test's time.
 Each rank is still its own process with its own environment, working folder, ``sys.argv`` and log, running
 the script as ``__main__`` and exiting with its own status. ``fresh=True`` starts fresh interpreters instead,
-for a script that must change something before the package is imported.
+for a script that must change something before the package is imported. ``start_module`` runs a module the same
+way, as ``python -m`` would (the app refusing a mistake, ``tests/helpers/app.py``).
 """
 
 from __future__ import annotations
@@ -56,21 +57,35 @@ def _context():
     return _forkserver
 
 
-def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, log_path: str) -> None:
-    """Runs in the forked rank: what ``python script argv...`` would do, with stdout and stderr to the log."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+def _redirect(fd_number: int, path: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, fd_number)
     os.close(fd)
+
+
+def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, log_path: str,
+               module: bool = False, err_path: Optional[str] = None) -> None:
+    """Runs in the forked rank: what ``python script argv...`` (``module``: ``python -m script argv...``) would
+    do, with stdout to the log and stderr to ``err_path`` (None: the log too)."""
+    _redirect(1, log_path)
+    if err_path:
+        _redirect(2, err_path)
+    else:
+        os.dup2(1, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.argv = [script, *argv]
-    sys.path[:0] = [str(Path(script).parent), str(REPO)]
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:  # sys.argv[0] becomes the module's file, sys.path[0] the working folder, as under ``-m``
+            sys.argv = ["-m", *argv]
+            sys.path.insert(0, cwd)
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *argv]
+            sys.path[:0] = [str(Path(script).parent), str(REPO)]
+            runpy.run_path(script, run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # as an interpreter's exit would (multiprocessing's children skip atexit)
 
@@ -105,6 +120,16 @@ def start(script: Path, argv: List[str], env: Dict[str, str], cwd: Path, log_pat
             return subprocess.Popen([sys.executable, str(script), *argv], env=env, stdout=log,
                                     stderr=subprocess.STDOUT, cwd=str(cwd))
     p = _context().Process(target=_rank_main, args=(str(script), argv, env, str(cwd), str(log_path)))
+    p.start()
+    return _Forked(p)
+
+
+def start_module(module: str, argv: List[str], env: Dict[str, str], cwd: Path, out_path: Path,
+                 err_path: Path):
+    """``python -m module argv...`` forked from the preloaded server (stdout and stderr to their own files):
+    for a command whose start is not what a test checks (the app refusing a mistake before any rank starts)."""
+    p = _context().Process(target=_rank_main, args=(module, argv, env, str(cwd), str(out_path), True,
+                                                      str(err_path)))
     p.start()
     return _Forked(p)
 

@@ -7,7 +7,8 @@ with its own traceback in its log, as a fresh interpreter would: preloading only
 import importlib
 
 MODULES = ["torch", "torch.distributed", "lightning", "lightning_mics", "lightning_mics.fabric",
-           "lightning_mics.app.models", "tests.helpers.comm_mode", "litgpt"]
+           "lightning_mics.app.models", "lightning_mics.app.schema", "hydra", "omegaconf", "tests.helpers.comm_mode",
+           "litgpt"]
 
 for _name in MODULES:
     try:
