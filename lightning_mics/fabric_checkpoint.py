@@ -86,13 +86,13 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
     with torch.inference_mode(False):
         if strategy.options.state_dict_type == "sharded":
             steps.refuse_remote_sharded(path, storage_options)
-            tensors = {k: ckpt.model_state(m, engine_of(m)) for k, m in modules.items()}
+            engines = {k: engine_of(m) for k, m in modules.items()}  # [Note: residuals in checkpoints]
+            tensors = {k: ckpt.model_state(m, engines[k]) for k, m in modules.items()}
             for k in [k for k in tensors if k in filter]:  # every rank writes the names rank 0's filter keeps
                 names = steps.broadcast(list(_kept(filter[k], tensors[k], strategy.is_global_zero)))
                 tensors[k] = {n: tensors[k][n] for n in names}
             tensors.update({k: ckpt.optimizer_state_by_name(owners[k][0], o, owners[k][1])
                             for k, o in optimizers.items()})
-            engines = {k: engine_of(m) for k, m in modules.items()}  # [Note: residuals in checkpoints]
             tensors.update(feedback.entries(engines, strategy.global_rank))
             meta[files.MARKER] = files.marker("sharded", fabric=info, world_size=strategy.world_size,
                                               shard_size=strategy.topology.layout.shard_size,
@@ -171,8 +171,8 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
                                          strategy.global_rank, path)
             ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra=residuals)
             feedback.restore(engines, residuals)
-            for k, (m, _) in mods.items():  # the shards were read in place; buffers and plain modules through this
-                ckpt.apply_model_state(m, ckpt.model_state(m, engine_of(m)), engine_of(m))
+            for m, e in mods.values():  # the shards were read in place; buffers and plain modules through this
+                ckpt.apply_model_state(m, ckpt.model_state(m, e), e)
             remainder = dict(meta)
     remainder.pop(files.MARKER, None)
     for k, v in rest.items():

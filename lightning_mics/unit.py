@@ -50,7 +50,6 @@ def _weak_hook(fn: Callable, arg: Any = None) -> Callable[[Tensor], None]:
 # root's forward: the end-of-backward callback reduces the root without releasing it (depth > 0), and the
 # post-step hook refreshes it. Which unit is gathered, kept or released when is decided in schedule.py; the
 # unit only carries the transitions out.
-
 class ShardedState(enum.Enum):
     SHARDED = "sharded"  # only the local flat shard exists
     GATHERING = "gathering"  # all-gather issued, not yet copied out

@@ -13,6 +13,16 @@ from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
 BLOCK = "lightning_mics.app.models.gpt.Block"
+SCRIPT = REPO / "tests" / "scripts" / "lifetime.py"
+
+
+def _assert_freed(res, kept_sharded):
+    """Every variant on every rank: sharded (or not) after training as expected, then freed with its engine and
+    optimizer, and no engine left registered."""
+    for rank in res:
+        assert [r["kept_sharded"] for r in rank] == kept_sharded, rank
+        assert [r["alive"] for r in rank] == len(kept_sharded) * [[False, False, False]], rank  # module, engine, opt
+        assert [r["engines_registered"] for r in rank] == len(kept_sharded) * [0], rank
 
 
 def test_a_dropped_model_is_freed_with_its_engine(tmp_path):
@@ -25,11 +35,8 @@ def test_a_dropped_model_is_freed_with_its_engine(tmp_path):
                 {"sharded_data_parallel_degree": 2, "precision": "bf16-mixed"},  # (its param_dtype copies too)
                 {"front": "trainer", "sharded_data_parallel_degree": 2, "max_live_parameters": 1000,
                  "precision": "bf16-mixed"}]
-    res = run_ranks(REPO / "tests" / "scripts" / "lifetime.py", 2, ["--variants", json.dumps(variants)], tmp_path)
-    for rank in res:
-        assert [r["kept_sharded"] for r in rank] == [True, True, True, True, False, True, True, True], rank
-        assert [r["alive"] for r in rank] == 8 * [[False, False, False]], rank  # module, engine, optimizer
-        assert [r["engines_registered"] for r in rank] == 8 * [0], rank
+    res = run_ranks(SCRIPT, 2, ["--variants", json.dumps(variants)], tmp_path)
+    _assert_freed(res, [True, True, True, True, False, True, True, True])
 
 
 def test_quantized_and_optimizer_rows_layouts_are_freed_too(tmp_path):
@@ -41,9 +48,5 @@ def test_quantized_and_optimizer_rows_layouts_are_freed_too(tmp_path):
                  "quantize_gradients": "error_feedback"},
                 {"front": "trainer", "sharded_data_parallel_degree": 2, "shard_optimizer_state": True,
                  "max_live_parameters": 1000}]
-    res = run_ranks(REPO / "tests" / "scripts" / "lifetime.py", 4, ["--variants", json.dumps(variants)], tmp_path)
-    for rank in res:
-        assert [r["kept_sharded"] for r in rank] == 4 * [True], rank
-        assert [r["alive"] for r in rank] == 4 * [[False, False, False]], rank
-        assert [r["engines_registered"] for r in rank] == 4 * [0], rank
-
+    res = run_ranks(SCRIPT, 4, ["--variants", json.dumps(variants)], tmp_path)
+    _assert_freed(res, 4 * [True])

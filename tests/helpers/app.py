@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+from tests.helpers.launch import start_module
+
 # A model small enough to train in seconds, but with matrices above the persistence threshold so that
 # MiCS really shards them (n_embd=32: c_fc 32x128 = 4096 elements > 1000).
 TINY = [
@@ -37,8 +39,6 @@ def run_app_forked(args: List[str], cwd: Path, timeout: float = 120) -> subproce
     Hydra and the package (``tests/helpers/launch.py``): the same module run as ``__main__`` with the same
     arguments, environment and folder, without the interpreter's 10 s of imports. For mistakes answered before
     any rank starts, where what a test checks is the answer, not the start."""
-    from tests.helpers.launch import start_module
-
     out, err = cwd / "app.stdout", cwd / "app.stderr"
     proc = start_module(COMMAND[2], args, app_env(), cwd, out, err)
     try:

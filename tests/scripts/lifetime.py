@@ -30,7 +30,6 @@ from lightning_mics.strategy import MiCSStrategy  # noqa: E402
 
 VOCAB, STEPS = 64, 2
 WORLD = int(os.environ["WORLD_SIZE"])
-BLOCK = "lightning_mics.app.models.gpt.Block"
 
 
 def gpt():
