@@ -48,6 +48,7 @@ inference tensors as parameters or shards, which a later ``fit`` could not train
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 from datetime import timedelta
@@ -382,8 +383,16 @@ def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.
 
 def release_unused(topology: Optional[Topology]) -> Optional[Topology]:
     """Releases the mesh's groups if no engine uses it any more ([Note: one topology per layout]); returns the
-    topology still in use, or None."""
-    if topology is not None and not any(e.topo is topology for e in live_engines()):
-        T.release(topology)
+    topology still in use, or None. Every rank must decide alike: releasing destroys groups, and the next fit
+    then creates them collectively. An engine of a module the user dropped is held by a reference cycle (the
+    engine and its units) until the garbage collector runs, and when it runs depends on each rank's own
+    allocations (rank 0 logs and saves). So an engine found alive is confirmed after a collection: the ranks
+    decide on what the program still holds, the same on each."""
+    if topology is None:
         return None
-    return topology
+    if any(e.topo is topology for e in live_engines()):
+        gc.collect()
+        if any(e.topo is topology for e in live_engines()):
+            return topology
+    T.release(topology)
+    return None

@@ -5,6 +5,11 @@ references after ``gc.collect()``, for each variant in turn in the same process,
 them.
 
     python lifetime.py --out DIR --variants JSON
+    python lifetime.py --out DIR --uneven-collection
+
+``--uneven-collection``: the garbage collector runs on rank 1 only, between fits. A model left sharded and dropped
+is garbage held by a reference cycle; rank 1 frees it at once, rank 0 still holds it when the next fit ends and
+decides whether the layout's groups are still used. The three fits must end alike on both ranks.
 """
 
 import argparse
@@ -85,11 +90,37 @@ def with_trainer(options: dict, precision: str) -> tuple:
             weakref.ref(trainer.optimizers[0]))
 
 
+def uneven_collection() -> list:
+    """Fit 1 leaves its model sharded (over max_live_parameters) and it is dropped; fit 2's model is made plain
+    again, so at its end nothing the program holds uses the layout and its groups go; fit 3 creates them again
+    (collectively). Collection on rank 1 only: on rank 0 fit 1's engine is garbage not yet collected when fit 2
+    ends."""
+    gc.disable()
+    rank = int(os.environ["RANK"])
+    out = []
+    for options in [{"max_live_parameters": 1000}, {}, {}]:
+        refs = with_trainer({"sharded_data_parallel_degree": 2, **options}, "32-true")
+        module = refs[0]()  # (a trainer's own cycles may still hold it: gc is off)
+        out.append({"kept_sharded": refs[1]() is not None,
+                    "checksum": None if module is None or refs[1]() is not None
+                    else float(sum(p.double().sum() for p in module.parameters()))})
+        del module
+        if rank == 1:
+            gc.collect()
+    gc.enable()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--variants", required=True)
+    parser.add_argument("--variants")
+    parser.add_argument("--uneven-collection", action="store_true")
     args = parser.parse_args()
+    if args.uneven_collection:
+        res = uneven_collection()
+        Path(args.out, f"result{torch.distributed.get_rank()}.json").write_text(json.dumps(res))
+        return
     res = []
     for v in json.loads(args.variants):
         options = dict(v)
