@@ -63,6 +63,7 @@ from lightning_mics import topology as T
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSOptions, optimizer_state_only
 from lightning_mics.engine import MiCSEngine
+from lightning_mics.optimizer_support import step_refusal
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
 ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[MiCSEngine]]" = weakref.WeakKeyDictionary()
@@ -294,8 +295,9 @@ def engine_holding(optimizer: torch.optim.Optimizer) -> Optional[MiCSEngine]:
 
 
 def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where: str) -> None:
-    """Refuses an optimizer built over parameters that are not the sharded module's (built too early), and a
-    fused one whose kernel DTensor cannot run. Alike on every rank (the same optimizer), before any step."""
+    """Refuses an optimizer built over parameters that are not the sharded module's (built too early), and one
+    whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer),
+    before any step."""
     ours = {id(p) for p in engine.sharded_params()}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -304,33 +306,9 @@ def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where:
                     "MiCSStrategy: an optimizer holds a parameter that is not one of the module's own "
                     f"(shape {tuple(p.shape)}). {where}; parameters captured earlier (e.g. in __init__, or before "
                     "the module was set up) are no longer the module's.")
-    op = _fused_op_without_dtensor_rule(optimizer)
-    if op is not None:
-        name = type(optimizer).__name__
-        raise ValueError(
-            f"MiCSStrategy: {name}(fused=True) cannot step the sharded parameters: they are DTensors, and torch "
-            f"{torch.__version__} has no DTensor rule for its kernel {op} (it has them for fused Adam and AdamW). "
-            f"Allowed: {name}(foreach=True) (one kernel per operation over all tensors, torch's default on GPUs) "
-            "or fused=False.")
-
-
-def _fused_op_without_dtensor_rule(optimizer: torch.optim.Optimizer) -> Optional[str]:
-    """The fused kernel (``aten._fused_<name>_``, torch.optim's naming) of a fused torch optimizer for which
-    DTensor has no sharding rule; None when not fused, when it has one, or when this torch cannot tell."""
-    if not any(group.get("fused") for group in optimizer.param_groups):
-        return None
-    base = next((c for c in type(optimizer).__mro__ if c.__module__.startswith("torch.optim.")), None)
-    op = getattr(torch.ops.aten, f"_fused_{base.__name__.lower()}_", None) if base is not None else None
-    try:
-        from torch.distributed.tensor import DTensor
-
-        prop = DTensor._op_dispatcher.sharding_propagator  # (private: if torch moves it, nothing is refused)
-        rules = [prop.op_to_rules, prop.op_strategy_funcs, getattr(prop, "op_single_dim_strategy_funcs", {})]
-    except AttributeError:
-        return None
-    if op is None or any(o in r for o in (getattr(op, n) for n in op.overloads()) for r in rules):
-        return None
-    return f"aten.{op.__name__}"
+    reason = step_refusal(optimizer)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def log_model_state(engine: MiCSEngine, rank: int, log: logging.Logger) -> None:

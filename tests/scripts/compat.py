@@ -306,6 +306,36 @@ class UserCheckpoint(Base):
         return net.head(x.mean(1))
 
 
+class TorchOptim(Base):
+    """One of torch.optim's optimizers over every parameter (Muon: over the matrices, the only ones it takes), in
+    torch's default implementation on CPU (one tensor at a time) or, with ``foreach``, the GPU's default."""
+    optimizer, options = "SGD", {}
+
+    def configure_optimizers(self):
+        cls = getattr(torch.optim, self.optimizer)
+        if self.optimizer == "Muon":
+            return cls([p for p in self.parameters() if p.ndim == 2], lr=0.02, **self.options)
+        return cls(self.parameters(), lr=0.01, **self.options)
+
+
+# torch.optim's optimizers not in the other cases, each as it steps on CPU and as it steps on GPUs (foreach;
+# LBFGS and Muon have one path); those that must be refused under MiCS with their options
+# ([Note: optimizers over DTensors]).
+TORCH_OPTIM = [(n, {}) for n in ["ASGD", "Adadelta", "Adagrad", "Adamax", "Muon", "NAdam", "RAdam", "RMSprop"]] + \
+    [(n, {"foreach": True}) for n in ["ASGD", "Adadelta", "Adagrad", "Adamax", "NAdam", "RAdam", "RMSprop"]]
+REFUSED_OPTIM = {"LBFGS": ("LBFGS", {}), "Rprop": ("Rprop", {"foreach": False}),
+                 "Rprop_foreach": ("Rprop", {"foreach": True}), "Adafactor": ("Adafactor", {}),
+                 "Adafactor_foreach": ("Adafactor", {"foreach": True})}
+
+
+class EvenRows(TorchOptim):
+    """Every parameter's rows split evenly over 2 (the embedding's 38 rows: one unused): LBFGS runs here."""
+
+    def __init__(self):
+        super().__init__()
+        self.net.emb = nn.Embedding(V + 1, D)
+
+
 class TunedLR(Base):
     """For Lightning's learning-rate finder: it sets ``self.lr``."""
     lr = 0.05
@@ -328,8 +358,8 @@ class Boom(LateReplica):
 # -- running ---------------------------------------------------------------------------------------------------
 def strategy_for(kind, **options):
     if kind in ("mics", "mics_os"):  # mics_os: [Note: optimizer rows over replicas] (r = 2 on 4 ranks)
-        return MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0,
-                            shard_optimizer_state=kind == "mics_os", **options)
+        return MiCSStrategy(**{"sharded_data_parallel_degree": 2, "param_persistence_threshold": 0,
+                               "shard_optimizer_state": kind == "mics_os", **options})
     if kind == "ddp":
         return DDPStrategy(find_unused_parameters=True)
     return "auto"
@@ -433,6 +463,43 @@ def run_case(case, kind, world, rank, out):
         m.reentrant = case.endswith("reentrant")
         trainer_for(kind, world, max_steps=4, accumulate_grad_batches=2, gradient_clip_val=0.5).fit(
             m, loader(classification_data(8 * world * BATCH), kind, world, rank))
+    elif case == "torch_optim":  # each optimizer from the same initial values: {label: parameters after 3 steps}
+        data = loader(classification_data(3 * world * BATCH), kind, world, rank)
+        for name, options in TORCH_OPTIM:
+            L.seed_everything(0, verbose=False)
+            m = TorchOptim()
+            m.optimizer, m.options = name, options
+            trainer_for(kind, world, max_steps=3).fit(m, data)
+            result[name + ("_foreach" if options else "")] = params(m)
+    elif case == "lbfgs_even":  # LBFGS's closure evaluated up to 3 times per step (max_iter=3), every backward synced
+        m = EvenRows()
+        m.optimizer, m.options = "LBFGS", {"max_iter": 3}
+        trainer = trainer_for(kind, world, max_steps=3)
+        try:  # mics_os: the 19 rows of each chunk over 2 replicas are 10 and 9, refused on every rank alike
+            trainer.fit(m, loader(classification_data(3 * world * BATCH), kind, world, rank))
+        except ValueError as err:
+            result["refused"] = f"{err} [after {trainer.global_step} steps]"
+            m = Base()
+    elif case == "rprop_kept_whole":  # what the refusal allows: the parameters whole (replicated), Rprop runs
+        m = TorchOptim()
+        m.optimizer = "Rprop"
+        trainer_for(kind, world, max_steps=3, strategy=strategy_for(kind, param_persistence_threshold=10 ** 6)).fit(
+            m, loader(classification_data(3 * world * BATCH), kind, world, rank))
+    elif case == "refused_optim":  # {label: the error each rank's fit raised, before any step} (MiCS only)
+        data = loader(classification_data(3 * world * BATCH), kind, world, rank)
+        for label, (name, options) in REFUSED_OPTIM.items():
+            m = TorchOptim()
+            m.optimizer, m.options = name, options
+            trainer = trainer_for(kind, world, max_steps=3)
+            try:
+                trainer.fit(m, data)
+                result[label] = "not refused"
+            except ValueError as err:
+                result[label] = f"{err} [after {trainer.global_step} steps]"
+        m = Base()  # then a fit in the same processes: the refusals left the process group usable
+        initial = params(m)
+        trainer_for(kind, world, max_steps=2).fit(m, data)
+        result["moved_after"] = max((p.detach() - initial[n]).abs().max().item() for n, p in m.named_parameters())
     elif case == "lr_find":  # Tuner.lr_find: a save, 20 steps, a restore and the removal of its checkpoint
         m = TunedLR()
         root = Path(out) / f"lr_find_{kind}"
