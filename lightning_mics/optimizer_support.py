@@ -45,10 +45,10 @@ def _masked_fill(t: torch.Tensor) -> object:
     return sign
 
 
-def _foreach_copy(t: torch.Tensor) -> object:
+def _foreach_copy_then_mask(t: torch.Tensor) -> object:
     prev = t.clone()
     torch._foreach_copy_([prev], [t])
-    return prev
+    return _masked_fill(prev)  # (the foreach path masks its signs in place too)
 
 
 def _column_square(t: torch.Tensor) -> object:
@@ -72,7 +72,8 @@ _Path = Tuple[str, _Probe]
 _PROBES: Dict[str, Tuple[_Path, Optional[_Path]]] = {
     "LBFGS": (("flattens each gradient (view(-1))", _flatten), None),
     "Rprop": (("masks its step signs in place (sign[sign.gt(0)] = etaplus)", _masked_fill),
-              ("copies its gradients with torch._foreach_copy_", _foreach_copy)),
+              ("copies its gradients with torch._foreach_copy_ and masks its step signs in place",
+               _foreach_copy_then_mask)),
     "Adafactor": (("squares a norm across the rows in place (its column statistics)", _column_square),
                   ("squares a norm across the rows in place (its column statistics, torch._foreach_mul_)",
                    _column_square_foreach)),

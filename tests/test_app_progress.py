@@ -1,6 +1,8 @@
 """The main job keeps its progress: periodic ``last.ckpt``, resume with ``ckpt_path=``, Ctrl-C, a folder per job.
 
-Real processes through the app's entry point with the tiny overrides (2 ranks on gloo). The reference for a
+Real processes through the app's entry point with the tiny overrides (2 ranks on gloo; the resumed runs and their
+references run forked from the test launcher's preloaded server, rank 1 started fresh by Lightning's launcher; the
+Ctrl-C jobs start fresh, in a session of their own, as from a shell). The reference for a
 resume is the same job run without interruption: its parameters and optimizer state after the same total number
 of steps must be equal, bit for bit (same batches, same order of operations).
 """
@@ -18,7 +20,7 @@ from typing import Dict
 import pytest
 import torch
 
-from tests.helpers.app import MICS_TINY, TINY, live_processes, run_app, run_app_forked, start_app, wait_for
+from tests.helpers.app import MICS_TINY, TINY, live_processes, run_app_forked, start_app, wait_for
 
 # 12 optimizer steps; a periodic save every 5 keeps epoch=0-step=5.ckpt and step=10 (save_top_k=-1), and last.ckpt
 # holds step 12 (not a multiple of 5: the save at the step training ends on).
@@ -49,14 +51,14 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path: Path, variant: str)
     extra = {"mics": MICS_TINY, "ddp": ["strategy=ddp"],
              "mics-bf16": [*MICS_TINY, "trainer.precision=bf16-mixed"]}[variant]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    proc = run_app([*RESUMABLE, *extra, "callbacks.checkpoint.save_top_k=-1", f"hydra.run.dir={whole}"],
-                   cwd=tmp_path)
+    proc = run_app_forked([*RESUMABLE, *extra, "callbacks.checkpoint.save_top_k=-1", f"hydra.run.dir={whole}"],
+                          cwd=tmp_path, timeout=150)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     saved = sorted(p.name for p in (whole / "checkpoints").iterdir())
     assert saved == ["epoch=0-step=10.ckpt", "epoch=0-step=5.ckpt", "last.ckpt"], saved
     # Hydra's grammar needs the path quoted: it holds '='
-    proc = run_app([*RESUMABLE, *extra, f"ckpt_path='{whole}/checkpoints/epoch=0-step=5.ckpt'",
-                    f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    proc = run_app_forked([*RESUMABLE, *extra, f"ckpt_path='{whole}/checkpoints/epoch=0-step=5.ckpt'",
+                           f"hydra.run.dir={resumed}"], cwd=tmp_path, timeout=150)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "dataloader is not resumable" not in out  # Lightning's warning is wrong for this loader and is silenced
@@ -108,8 +110,9 @@ def test_ctrl_c_stops_saves_reports_and_exits_130(tmp_path: Path, target: str) -
     if target != "process group":
         return
     resumed = tmp_path / "resumed"
-    proc = run_app([*TINY, *MICS_TINY, f"trainer.max_steps={step + 2}", f"ckpt_path={report['last_checkpoint']}",
-                    f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    proc = run_app_forked([*TINY, *MICS_TINY, f"trainer.max_steps={step + 2}",
+                           f"ckpt_path={report['last_checkpoint']}", f"hydra.run.dir={resumed}"], cwd=tmp_path,
+                          timeout=150)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     again = json.loads((resumed / "report.json").read_text())
     assert again["start_step"] == step and again["steps"] == step + 2 and again["stopped_by"] is None

@@ -37,8 +37,9 @@ def run_app(args: List[str], cwd: Path, timeout: float = 150) -> subprocess.Comp
 def run_app_forked(args: List[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """``run_app`` in a process forked from the test launcher's server, which has imported torch, Lightning,
     Hydra and the package (``tests/helpers/launch.py``): the same module run as ``__main__`` with the same
-    arguments, environment and folder, without the interpreter's 10 s of imports. For mistakes answered before
-    any rank starts, where what a test checks is the answer, not the start."""
+    arguments, environment and folder, without the interpreter's 10 s of imports (rank 1, which Lightning's
+    launcher starts, is still a fresh interpreter). For mistakes answered before any rank starts, and for runs
+    whose test checks what they compute (a resume against the uninterrupted run), not how the job starts."""
     out, err = cwd / "app.stdout", cwd / "app.stderr"
     proc = start_module(COMMAND[2], args, app_env(), cwd, out, err)
     try:
