@@ -18,10 +18,12 @@ parameter, with what is allowed:
 - ``Adafactor`` squares a norm across the sharded rows in place (its column statistics): not for a sharded
   parameter of two or more dimensions.
 These three are probed: the very operation their step runs, on a detached parameter of each distinct layout,
-so a refusal lifts by itself where torch gains the rule (an even model runs LBFGS). A probe can pass on some
-ranks and fail on others (with ``shard_optimizer_state`` the replicas step rows of different sizes), so the ranks
-agree first (one ``all_gather_object`` of their answers, every rank probing the same optimizer at the same point
-of setup) and all raise the first refusing rank's message. An optimizer of one's own is not probed: DTensor's
+so a refusal lifts by itself where torch gains the rule (an even model runs LBFGS). A probe runs on this rank's
+own rows, and with ``shard_optimizer_state`` the replicas step rows of different sizes (LBFGS's flatten there
+failed on every rank, but with each rank's own error: 240 elements on one replica, 216 on the other), so whether
+it fails is decided per rank. Rather than rely on every layout failing alike, the ranks agree first (one
+``all_gather_object`` of their answers, every rank probing the same optimizer at the same point of setup) and all
+raise the first refusing rank's message. An optimizer of one's own is not probed: DTensor's
 error at its first step names the operation.
 """
 
@@ -31,6 +33,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 _Probe = Callable[[torch.Tensor], object]
 
@@ -103,7 +106,7 @@ def _probe_refusal(optimizer: torch.optim.Optimizer, name: str, probe: Tuple[_Pa
     """This rank's refusal: the first parameter group whose step's operation fails on one of its parameters."""
     single, foreach_path = probe
     for group in optimizer.param_groups:
-        params = [p for p in group["params"] if _is_dtensor(p)]
+        params = [p for p in group["params"] if isinstance(p, DTensor)]
         foreach = foreach_path is not None and _resolved_foreach(group, params)
         what, operation = foreach_path if foreach else single
         failure = _first_failure(params, operation)
@@ -121,9 +124,9 @@ def _probe_refusal(optimizer: torch.optim.Optimizer, name: str, probe: Tuple[_Pa
 
 
 def _agreed(local: Optional[str]) -> Optional[str]:
-    """The refusal every rank raises alike: the first refusing rank's. A probe can fail on some ranks only: with
-    the optimizer's rows split over replicas (``shard_optimizer_state``) the ranks hold rows of different sizes,
-    and a rank that raised alone would leave the others waiting in their first step's collectives."""
+    """The refusal every rank raises alike: the first refusing rank's. Each rank probed its own rows, of
+    different sizes on different replicas under ``shard_optimizer_state``; a rank that raised alone would leave
+    the others waiting in their first step's collectives."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return local
     every: List[Optional[str]] = [None] * dist.get_world_size()
@@ -139,12 +142,6 @@ def _torch_base(optimizer: torch.optim.Optimizer) -> Optional[type]:
     """The torch.optim class an optimizer is (or derives from): its step is torch's."""
     return next((c for c in type(optimizer).__mro__ if c is not torch.optim.Optimizer
                  and (c.__module__ + ".").startswith("torch.optim.")), None)  # Adafactor's is "torch.optim"
-
-
-def _is_dtensor(p: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(p, DTensor)
 
 
 def _resolved_foreach(group: dict, params: List[torch.Tensor]) -> bool:
@@ -183,8 +180,6 @@ def _fused_op_without_dtensor_rule(optimizer: torch.optim.Optimizer, base: type)
         return None
     op = getattr(torch.ops.aten, f"_fused_{base.__name__.lower()}_", None)
     try:
-        from torch.distributed.tensor import DTensor
-
         prop = DTensor._op_dispatcher.sharding_propagator  # (private: if torch moves it, nothing is refused)
         rules = [prop.op_to_rules, prop.op_strategy_funcs, getattr(prop, "op_single_dim_strategy_funcs", {})]
     except AttributeError:

@@ -8,8 +8,8 @@ them.
     python lifetime.py --out DIR --uneven-collection
 
 ``--uneven-collection``: the garbage collector runs on rank 1 only, between fits. A model left sharded and dropped
-is garbage held by a reference cycle; rank 1 frees it at once, rank 0 still holds it when the next fit ends and
-decides whether the layout's groups are still used. The three fits must end alike on both ranks.
+is garbage held by a reference cycle; rank 1 frees it at once, the other ranks still hold it when the next fit ends
+and decides whether the layout's groups are still used. The three fits must end alike on every rank.
 """
 
 import argparse
@@ -93,8 +93,8 @@ def with_trainer(options: dict, precision: str) -> tuple:
 def uneven_collection() -> list:
     """Fit 1 leaves its model sharded (over max_live_parameters) and it is dropped; fit 2's model is made plain
     again, so at its end nothing the program holds uses the layout and its groups go; fit 3 creates them again
-    (collectively). Collection on rank 1 only: on rank 0 fit 1's engine is garbage not yet collected when fit 2
-    ends."""
+    (collectively). Collection on rank 1 only: on the other ranks fit 1's engine is garbage not yet collected when
+    fit 2 ends."""
     gc.disable()
     rank = int(os.environ["RANK"])
     out = []
