@@ -131,6 +131,7 @@ def test_two_ranks_resume_four_rank_checkpoints_load_raw_setup_order_nonfinite(f
         assert "fabric.setup_module(model)" in r["order"]["error"], r["order"]
         assert "SGD(fused=True)" in r["order"]["fused_error"] and "aten._fused_sgd_" in r["order"]["fused_error"] \
             and "Allowed: SGD(foreach=True)" in r["order"]["fused_error"], r["order"]
+        assert "Rprop" in (r["order"]["rprop_error"] or "") and "param_persistence_threshold" in r["order"]["rprop_error"]
         # stop_on_nonfinite acts under Fabric: a NaN on rank 1 stops every rank before the step
         assert "non-finite gradient norm" in (r["nonfinite"]["error"] or ""), r["nonfinite"]
     assert results[0]["nonfinite"]["unchanged"]  # stopped before the step changed a parameter
