@@ -23,6 +23,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -34,6 +35,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_mics import collectives as C
 from lightning_mics import frontend as F
+from lightning_mics import layer_sync
 from lightning_mics import reliability
 from lightning_mics import strategy_checkpoint as sc
 from lightning_mics.config import MiCSOptions, config_from, with_options_signature
@@ -96,6 +98,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._start_method = start_method
         self._process_group_backend = process_group_backend
         self._engine: Optional[MiCSEngine] = None
+        self._layer_sync: Optional[LayerSync] = None  # Trainer(sync_batchnorm=True) sets it: [Note: layer sync]
         self._shard_size: Optional[int] = None
         self._step_hooks: List[Any] = []
         self._failed = False
@@ -178,12 +181,16 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                                  "into a plain copy of the module made before sharding, with the sharded parameters "
                                  "(as Lightning refuses it under FSDP); allowed: no SWA callback.")
         self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:  # [Note: layer sync] in layer_sync.py
+            self.model = layer_sync.apply(self._layer_sync, self.model, F.engine_of(self.lightning_module) is not None,
+                                          self.root_device)
         self.precision_plugin = to_mics_precision(self.precision_plugin, self.root_device)
         self.precision_plugin._mics_clip = self.clip_grad_norm_
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._shard_model(fitting=trainer.state.fn == TrainerFn.FITTING)
-        if trainer.state.fn == TrainerFn.FITTING:
+        self._shard_model(fitting=fitting)
+        if fitting:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         sc.route(self, trainer)
@@ -373,6 +380,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._failed = False
         if self.lightning_module is not None:
             self.model = self.lightning_module
+            if self._layer_sync is not None and F.engine_of(self.lightning_module) is None:
+                self.model = layer_sync.revert(self._layer_sync, self.model)  # [Note: layer sync]
         if keep_sharded:  # Lightning's teardown moves the module to CPU: not a sharded one (its mesh stays)
             self.precision_plugin.teardown()
             assert self.accelerator is not None

@@ -549,7 +549,10 @@ def run_case(case, kind, world, rank, out):
     return result
 
 
-def main():
+def main(run=None):
+    """Runs each of ``--cases`` through ``run`` (this script's ``run_case`` by default; ``layer_sync.py`` passes
+    its own), rank 0 saving each result, and records every case's traceback in ``result<rank>.json``."""
+    run = run or run_case
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--strategy", required=True)
@@ -560,7 +563,7 @@ def main():
     errors = {}
     for case in args.cases.split(","):
         try:
-            result = run_case(case, args.strategy, world_data, rank, args.out)
+            result = run(case, args.strategy, world_data, rank, args.out)
             if rank == 0:
                 torch.save(result, Path(args.out) / f"{case}.pt")
         except Exception:
