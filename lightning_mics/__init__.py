@@ -8,6 +8,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REG
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mics.checkpoint import consolidate
+from lightning_mics.clip import grad_norm
 from lightning_mics.checkpoint_files import CheckpointError
 from lightning_mics import fabric
 from lightning_mics.config import MiCSConfig
@@ -20,4 +21,5 @@ if "mics" not in StrategyRegistry:
 if "mics" not in FABRIC_STRATEGY_REGISTRY:  # L.Fabric(strategy="mics"): lightning_mics.fabric.MiCSStrategy
     fabric.MiCSStrategy.register_strategies(FABRIC_STRATEGY_REGISTRY)
 
-__all__ = ["CheckpointError", "MiCSConfig", "MiCSStrategy", "consolidate", "fabric", "plan", "register_parameter"]
+__all__ = ["CheckpointError", "MiCSConfig", "MiCSStrategy", "consolidate", "fabric", "grad_norm", "plan",
+           "register_parameter"]

@@ -1,4 +1,4 @@
-"""Gradient-norm clipping over sharded gradients.
+"""Gradient norms over sharded gradients: clipping by the total norm, and each parameter's norm for logging.
 
 Each rank of a shard group holds a different slice of every sharded gradient, and after the replica
 all-reduce every replica holds the same slices, so a sharded gradient's squared norm is summed over the
@@ -10,14 +10,20 @@ placement.py): gradients are grouped by the mesh dimensions over which they are 
 sum is all-reduced over exactly those dimensions. The groups are the same on every rank (placements are), so
 every rank issues the same collectives. The result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded
 model.
+
+``grad_norm`` is Lightning's ``lightning.pytorch.utilities.grad_norm`` (each parameter's gradient norm and their
+total, to log in ``on_before_optimizer_step``) over the shards. Lightning's builds a plain tensor from the norms of
+the gradients, which fails on DTensor gradients (here as under FSDP2); this one gives each norm of the unsharded
+gradient as a plain tensor on every rank, with one all-reduce per class of placements (not one per parameter).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple
+from typing import Dict, Iterable, List, Tuple, Union
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -65,3 +71,39 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh:
     if flat:
         torch._foreach_mul_(flat, coef.to(flat[0].device))
     return total
+
+
+@torch.no_grad()
+def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separator: str = "/") -> Dict[str, Tensor]:
+    """Lightning's ``grad_norm`` over sharded gradients: ``{"grad_<p>_norm/<name>": norm, ...,
+    "grad_<p>_norm_total": norm of the norms}`` for each parameter with a gradient, the norms those of the unsharded
+    gradients, as plain 0-dim tensors on every rank. Call it on every rank (it all-reduces), as
+    ``trainer.strategy``'s collectives are called; on a plain module it is Lightning's, with no collective."""
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"grad_norm got norm_type={norm_type}: allowed is a positive number or 'inf'.")
+    inf = norm_type == float("inf")
+    classes: Dict[Tuple[int, Tuple[int, ...]], Tuple[DeviceMesh, List[str], List[Tensor]]] = {}
+    names = []
+    for name, p in module.named_parameters():
+        if p.grad is None:
+            continue
+        names.append(name)
+        mesh, dims = getattr(p.grad, "device_mesh", None), sharded_mesh_dims(p.grad)
+        # classes in the order of their first parameter (the same on every rank): the collectives' order
+        _, group, grads = classes.setdefault((id(mesh), dims), (mesh, [], []))
+        group.append(name)
+        grads.append(local(p.grad))
+    norms: Dict[str, Tensor] = {}
+    for (_, dims), (mesh, group, grads) in classes.items():
+        part = torch.stack(torch._foreach_norm([g.float() for g in grads], norm_type))
+        part = part if inf else part ** norm_type
+        for d in dims:
+            if mesh.size(d) > 1:
+                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
+        part = part if inf else part ** (1.0 / norm_type)
+        norms.update((n, v.to(g.dtype)) for n, v, g in zip(group, part.unbind(), grads))
+    out = {f"grad_{norm_type}_norm{group_separator}{n}": norms[n] for n in names}
+    if out:
+        out[f"grad_{norm_type}_norm_total"] = torch.stack([v.float() for v in out.values()]).norm(norm_type)
+    return out

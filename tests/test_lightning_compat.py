@@ -19,7 +19,7 @@ SCRIPT = REPO / "tests" / "scripts" / "compat.py"
 CASES = ["manual1", "manual_accum", "manual2", "calls_itself", "summary", "bf16", "fail_refit", "stays_sharded",
          "stays_sharded_bf16", "resume_bf16", "some_ranks", "adamw_foreach", "adamw_fused", "user_checkpoint",
          "lr_find", "lr_find_bf16", "torch_optim", "lbfgs_even",
-         "rprop_kept_whole"]
+         "rprop_kept_whole", "grad_norm"]
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +218,25 @@ def test_optimizers_dtensor_cannot_step_are_refused_at_setup(runs, kind, world):
     assert got["moved_after"] > 0 and got["param_types"] == ["Parameter"]  # a fit after them trained
     kept_whole = load(runs, kind, world, "rprop_kept_whole")  # what the message allows: Rprop on whole parameters
     assert_params_close(kept_whole["params"], load(runs, "ddp", world, "rprop_kept_whole")["params"], 1e-6)
+
+
+@pytest.mark.parametrize("kind, world", MICS)
+def test_grad_norm_equals_lightnings_under_ddp(runs, kind, world):
+    """``lightning_mics.grad_norm`` in ``on_before_optimizer_step`` (2 and inf, a frozen parameter, accumulation):
+    every rank logs the norms Lightning's ``grad_norm`` gives under DDP (the unsharded gradients' norms), with the
+    same keys; one all-reduce per mesh dimension the gradients are sliced over, not one per parameter (14)."""
+    got, ref = load(runs, kind, world, "grad_norm"), load(runs, "ddp", world, "grad_norm")
+    expected = ref["norms"][0]
+    assert len(expected) == 6 and "grad_2.0_norm_total" in expected[0] and "grad_inf_norm_total" in expected[1]
+    assert not any("blocks.0.ln" in k for k in expected[0]) and len(expected[0]) == 14  # frozen: no gradient
+    for rank in range(world):
+        assert ref["norms"][rank] == expected  # DDP: the same on every rank
+        for a, b in zip(got["norms"][rank], expected):
+            assert sorted(a) == sorted(b)
+            assert max(abs(a[k] - b[k]) / b[k] for k in b) <= 1e-6, (rank, a, b)
+    assert got["logged"] == ref["logged"]
+    assert ref["collectives"] == [0] * 6
+    assert got["collectives"] == [2 if kind == "mics_os" else 1] * 6, got["collectives"]
 
 
 @pytest.mark.parametrize("kind, world", MICS)

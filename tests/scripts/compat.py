@@ -29,9 +29,12 @@ from lightning.pytorch.callbacks import BackboneFinetuning  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
 from lightning.pytorch.tuner import Tuner  # noqa: E402
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
+import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
+from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 V, D, H, C, T = 37, 24, 48, 32, 5  # vocab, width, hidden, classes, sequence: odd sizes, uneven shards
 BATCH = 4  # per rank
@@ -336,6 +339,26 @@ class EvenRows(TorchOptim):
         self.net.emb = nn.Embedding(V + 1, D)
 
 
+class GradNorms(Base):
+    """Logs each parameter's gradient norm and their total in ``on_before_optimizer_step`` (2 and inf), as Lightning's
+    docs show: Lightning's ``grad_norm`` under DDP, ``lightning_mics.grad_norm`` under MiCS (Lightning's fails on
+    DTensor gradients). A frozen LayerNorm has no gradient. Records each call's collectives."""
+
+    def __init__(self):
+        super().__init__()
+        self.net.blocks[0].ln.requires_grad_(False)
+        self.fn = lightning_grad_norm
+        self.norms, self.collectives = [], []
+
+    def on_before_optimizer_step(self, optimizer):
+        for norm_type in (2, "inf"):
+            with CommCounter() as comm:
+                norms = self.fn(self, norm_type=norm_type)
+            self.log_dict(norms)
+            self.norms.append({k: v.item() for k, v in norms.items()})
+            self.collectives.append(len(comm.events))
+
+
 class TunedLR(Base):
     """For Lightning's learning-rate finder: it sets ``self.lr``."""
     lr = 0.05
@@ -500,6 +523,15 @@ def run_case(case, kind, world, rank, out):
         initial = params(m)
         trainer_for(kind, world, max_steps=2).fit(m, data)
         result["moved_after"] = max((p.detach() - initial[n]).abs().max().item() for n, p in m.named_parameters())
+    elif case == "grad_norm":  # with accumulation: logged at the boundary only
+        m = GradNorms()
+        if kind.startswith("mics"):
+            m.fn = lightning_mics.grad_norm
+        trainer = trainer_for(kind, world, max_steps=3, accumulate_grad_batches=2)
+        trainer.fit(m, loader(classification_data(6 * world * BATCH), kind, world, rank))
+        every = [None] * world
+        torch.distributed.all_gather_object(every, m.norms)
+        result.update(norms=every, collectives=m.collectives, logged=sorted(trainer.callback_metrics))
     elif case == "lr_find":  # Tuner.lr_find: a save, 20 steps, a restore and the removal of its checkpoint
         m = TunedLR()
         root = Path(out) / f"lr_find_{kind}"
