@@ -22,7 +22,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -175,11 +175,13 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
-        for cb in trainer.callbacks:  # on every rank alike, before the engine's first collective
-            if isinstance(cb, StochasticWeightAveraging):
-                raise ValueError("MiCSStrategy: the StochasticWeightAveraging callback is not supported: it averages "
-                                 "into a plain copy of the module made before sharding, with the sharded parameters "
-                                 "(as Lightning refuses it under FSDP); allowed: no SWA callback.")
+        averaging = [type(cb).__name__ for cb in trainer.callbacks  # on every rank alike, before any collective
+                     if isinstance(cb, (StochasticWeightAveraging, WeightAveraging))]
+        if averaging:
+            raise ValueError(f"MiCSStrategy: weight averaging is not supported (callbacks: {', '.join(averaging)}): "
+                             "each averages the sharded parameters into a plain copy of the module made before "
+                             "sharding (Lightning refuses SWA under FSDP, and says sharded models do not work with "
+                             "WeightAveraging); allowed: no weight-averaging callback.")
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync is not None:  # [Note: layer sync] in layer_sync.py
