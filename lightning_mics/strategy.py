@@ -22,7 +22,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -45,6 +45,14 @@ from lightning_mics.engine import MiCSEngine
 from lightning_mics.sharding import resolve_classes
 
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+# callbacks that copy or re-register the module's parameters behind the engine: refused at setup
+_UNSUPPORTED_CALLBACKS = (
+    ((StochasticWeightAveraging, WeightAveraging),
+     "weight averaging: it averages the sharded parameters into a plain copy of the module made before sharding; "
+     "Lightning refuses SWA under FSDP and says sharded models do not work with WeightAveraging"),
+    (ModelPruning, "it replaces each pruned parameter with a '_orig' parameter and a mask, behind the engine that "
+                   "holds the parameters, and ranks the weights over whole tensors the ranks hold in shards"),
+)
 _log = logging.getLogger("lightning.pytorch.strategies.mics")  # shown the way Lightning's own INFO lines are
 # Checkpoint reads and writes go through DTensor and DCP, whose detach/copy refuse inference tensors: a user's
 # ``with torch.inference_mode(): trainer.test(ckpt_path=...)`` runs them with inference mode off.
@@ -175,13 +183,10 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
-        averaging = [type(cb).__name__ for cb in trainer.callbacks  # on every rank alike, before any collective
-                     if isinstance(cb, (StochasticWeightAveraging, WeightAveraging))]
-        if averaging:
-            raise ValueError(f"MiCSStrategy: weight averaging is not supported (callbacks: {', '.join(averaging)}): "
-                             "each averages the sharded parameters into a plain copy of the module made before "
-                             "sharding (Lightning refuses SWA under FSDP, and says sharded models do not work with "
-                             "WeightAveraging); allowed: no weight-averaging callback.")
+        refused = [f"{type(cb).__name__} ({why})" for cb in trainer.callbacks  # every rank alike, before any collective
+                   for kinds, why in _UNSUPPORTED_CALLBACKS if isinstance(cb, kinds)]
+        if refused:
+            raise ValueError(f"MiCSStrategy: callbacks not supported: {'; '.join(refused)}. Allowed: none of these.")
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync is not None:  # [Note: layer sync] in layer_sync.py

@@ -104,9 +104,9 @@ CASES = [
      ["--wrapped-blocks"],  # the user's own checkpoint_wrapper around each block: Lightning's FSDP ignores its option
      ["activation_checkpointing=['tests.scripts.compat.Block']", "already checkpoints", "Allowed: this option "
       "without the wrappers, or the wrappers with activation_checkpointing=None"]),
-    ("swa-callback", SETUP, {}, ["--swa"],  # Lightning's SWA and EMA callbacks, both named
-     ["weight averaging is not supported (callbacks: StochasticWeightAveraging, EMAWeightAveraging)",
-      "allowed: no weight-averaging callback"]),
+    ("swa-callback", SETUP, {}, ["--swa"],  # Lightning's SWA, EMA and pruning callbacks, each named
+     ["callbacks not supported: StochasticWeightAveraging (weight averaging", "; EMAWeightAveraging (weight averaging",
+      "; ModelPruning (it replaces each pruned parameter", "Allowed: none of these."]),
     ("fused-sgd", SETUP, {}, ["--fused-sgd"],  # the user's optimizer: a fused kernel DTensor has no rule for
      ["SGD(fused=True) cannot step the sharded parameters", "aten._fused_sgd_", "Allowed: SGD(foreach=True)"]),
     ("torchrun-degree-not-dividing-world", TORCHRUN, {"sharded_data_parallel_degree": 4}, [],
