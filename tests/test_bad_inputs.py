@@ -7,7 +7,7 @@ Trainer is made (``validate_world``, the precision check), before any process is
 forked from the test launcher's server that has imported Lightning, ``tests/helpers/launch.py``: what is checked
 is the refusal, not the interpreter's start; the other kinds start a fresh ``python``). Those that need the model
 (a ``shard_units`` or ``activation_checkpointing`` class the model does not contain or has already wrapped in
-torch's ``checkpoint_wrapper``, a checkpoint group longer than the run of blocks, a fused optimizer whose kernel DTensor has no rule for, Lightning's SWA callback) are
+torch's ``checkpoint_wrapper``, a checkpoint group longer than the run of blocks, a fused optimizer whose kernel DTensor has no rule for, Lightning's SWA, EMA and pruning callbacks) are
 refused at setup: Lightning's launcher starts rank 1, both ranks raise the same error before the first collective
 of the engine, and both exit (the output holds each rank's line). Two run under
 ``torchrun`` (2 ranks, every rank refuses before the process group: a degree that does not divide the world, and
