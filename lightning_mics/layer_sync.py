@@ -1,7 +1,6 @@
 """Lightning's layer sync (``Trainer(sync_batchnorm=True)``, or a ``LayerSync`` plugin) over a sharded module.
 
-Note [layer sync]
-~~~~~~~~~~~~~~~~~
+[Note: layer sync]
 Lightning hands a parallel strategy its ``LayerSync`` in ``strategy._layer_sync``; DDP and FSDP apply it when a fit
 sets up (``BatchNorm`` -> ``SyncBatchNorm``: batch statistics over every data-parallel rank) and revert it at the
 fit's teardown. Under MiCS the swap must come before the engine shards the module: each unit holds the module of
