@@ -11,7 +11,7 @@ end of each backward when param_dtype is lower, so bf16 gradients are summed in 
 reduce-scatter sums them otherwise); at the boundary they are reduce-scattered
 once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor shards, with 1/W of the optimizer
 state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. Only a
-state dict or a save unpins (``quiesce``); the next forward gathers again.
+state dict or a save unpins (``quiesce``); the next forward gathers again ([Note: writes between steps] in unit.py).
 """
 
 from __future__ import annotations

@@ -172,6 +172,7 @@ class Schedule:
     def before_optimizer_step(self) -> None:
         """Pre-step hook of every optimizer: [Note: quantized optimizer rows] in optimizer_rows.py."""
         for unit in self.units:
+            unit.take_writes()  # [Note: writes between steps] in unit.py
             unit.snapshot_rows()
 
     def after_optimizer_step(self) -> None:

@@ -293,6 +293,7 @@ class Unit:
         stays gathered unless ``force``."""
         if self.state is ShardedState.SHARDED or (self.pinned and not force):
             return
+        self.take_writes()  # a pinned unit's plain parameters, written since the last step, into the masters
         if self._gather is not None:  # a prefetch never used: its first hop is waited, no second hop (alike
             C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)
             self._gather = None
@@ -312,6 +313,27 @@ class Unit:
         self._settle_full()
         with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
             C.copy_out(out, self.full_views, self.s, self.kernels)
+
+    # [Note: writes between steps]
+    # Between steps the module computes with the pinned unit's plain parameters (``full_flat``), not with the masters
+    # the optimizer steps (``shard_flat``), and the refresh after the next step overwrites them from the masters. A
+    # write to the parameters outside the optimizer step (a clamp after it, weights swapped in for validation and back)
+    # would be lost. So before the masters are read (the optimizers' pre-step hook, which Lightning runs before the
+    # closure's forward; a release for a save, a state dict or the end of fit) each rank takes its own rows of the
+    # plain parameters back into its masters where they differ: with param_dtype lower than the masters', the elements
+    # left alone equal the master rounded and keep the master's bits. Every rank holds the same plain parameters and
+    # takes its own rows, so the masters agree with them everywhere.
+    def take_writes(self) -> None:
+        """[Note: writes between steps]: a pinned unit's plain parameters into this rank's master
+        rows, wherever a write outside the optimizer step changed them."""
+        if not (self.pinned and self.state is ShardedState.GATHERED):
+            return
+        with torch.no_grad():
+            for sp, full in zip(self.params, self.full_views):
+                own, master = full[sp.rows.lo:sp.rows.hi], sp.local
+                if own.numel():
+                    written = own != master.to(own.dtype)  # unwritten: equal (to the master rounded, if lower)
+                    master.copy_(torch.where(written, own.to(master.dtype), master))
 
     # -- the optimizer's rows over replicas ([Note: optimizer rows over replicas] in optimizer_rows.py) ----------
     def snapshot_rows(self) -> None:

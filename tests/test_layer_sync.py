@@ -10,9 +10,9 @@ with ``shard_optimizer_state``.
 """
 
 import pytest
-import torch
 
-from tests.helpers.launch import REPO, run_ranks
+from tests.helpers.cases import CaseRuns, max_diff
+from tests.helpers.launch import REPO
 
 pytestmark = pytest.mark.distributed
 SCRIPT = REPO / "tests" / "scripts" / "layer_sync.py"
@@ -22,33 +22,15 @@ MICS = [("mics", 2), ("mics", 4), ("mics_os", 4)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    out = {}
+    return CaseRuns(SCRIPT, tmp_path_factory, lambda kind: CASES)
 
-    def get(kind, world):
-        if (kind, world) not in out:
-            d = tmp_path_factory.mktemp(f"{kind}{world}")
-            res = run_ranks(SCRIPT, world, ["--strategy", kind, "--cases", ",".join(CASES)], d)
-            out[(kind, world)] = (d, {c: e for r in res for c, e in r["errors"].items()})
-        return out[(kind, world)]
-    return get
-
-
-def load(runs, kind, world, case):
-    d, errors = runs(kind, world)
-    assert case not in errors, f"{kind} on {world} ranks, case {case}:\n{errors[case]}"
-    return torch.load(d / f"{case}.pt", weights_only=False)
-
-
-def max_diff(got, ref):
-    assert sorted(got) == sorted(ref)
-    return max((got[n].float() - ref[n].float()).abs().max().item() for n in ref)
 
 
 @pytest.mark.parametrize("kind, world", MICS)
 def test_batchnorm_without_sync_equals_ddp_and_each_rank_keeps_its_statistics(runs, kind, world):
     """Training normalizes with each rank's batch under both. The running statistics are each rank's own, as under
     FSDP (DDP broadcasts rank 0's at every forward, so its other ranks hold other values): rank 0's equal DDP's."""
-    got, ref = load(runs, kind, world, "batchnorm"), load(runs, "ddp", world, "batchnorm")
+    got, ref = runs.load(kind, world, "batchnorm"), runs.load("ddp", world, "batchnorm")
     assert max_diff(got["params"], ref["params"]) <= 1e-6
     assert max_diff(got["buffers"][0], ref["buffers"][0]) <= 1e-6
     assert max_diff(got["buffers"][1], got["buffers"][0]) > 1e-3  # not synced: rank 1 saw other batches
@@ -59,7 +41,7 @@ def test_batchnorm_without_sync_equals_ddp_and_each_rank_keeps_its_statistics(ru
 def test_layer_sync_swaps_the_layers_before_sharding_and_back_after_fit(runs, kind, world):
     """The plugin's layers compute during the fit (statistics over every rank: the same buffers on each) and the
     module has its BatchNorm1d back afterwards, with parameters and buffers equal to DDP's."""
-    got, ref = load(runs, kind, world, "layer_sync"), load(runs, "ddp", world, "layer_sync")
+    got, ref = runs.load(kind, world, "layer_sync"), runs.load("ddp", world, "layer_sync")
     assert got["types_in_fit"] == ref["types_in_fit"] == ["AllReducedBatchNorm1d"]
     assert got["types_after"] == ref["types_after"] == ["BatchNorm1d"]
     assert max_diff(got["params"], ref["params"]) <= 1e-6
@@ -73,7 +55,7 @@ def test_torch_sync_batchnorm_on_cpu_is_refused_on_every_rank(runs, kind, world)
     """Torch's SyncBatchNorm refuses CPU tensors (DDP refuses it when it wraps the module): refused at setup on every
     rank alike, naming the option, the model given back with Lightning's reverted layers as under DDP; a fit in the
     same processes afterwards equals DDP's."""
-    got, ref = load(runs, kind, world, "sync_batchnorm_cpu"), load(runs, "ddp", world, "sync_batchnorm_cpu")
+    got, ref = runs.load(kind, world, "sync_batchnorm_cpu"), runs.load("ddp", world, "sync_batchnorm_cpu")
     assert len(set(got["errors"])) == 1, got["errors"]
     for text in ("ValueError: MiCSStrategy: Trainer(sync_batchnorm=True)", "SyncBatchNorm", "not on cpu",
                  "Allowed on cpu: sync_batchnorm=False"):
@@ -88,7 +70,7 @@ def test_a_module_left_sharded_keeps_its_synced_layers_for_the_next_fit(runs, ki
     """Larger than max_live_parameters, the module stays sharded after each fit and keeps the synced layers (the
     engine holds them); the second fit continues with them, equal to DDP's two fits (which revert and convert
     again). A module left sharded unsynced cannot be asked to sync: refused."""
-    got, ref = load(runs, kind, world, "layer_sync_sharded"), load(runs, "ddp", world, "layer_sync_sharded")
+    got, ref = runs.load(kind, world, "layer_sync_sharded"), runs.load("ddp", world, "layer_sync_sharded")
     assert got["stayed_sharded"]
     assert got["types_after_0"] == got["types_after_1"] == ["AllReducedBatchNorm1d"]
     assert max_diff(got["params"], ref["params"]) <= 1e-6

@@ -1,0 +1,35 @@
+"""A test module's launches of one script that runs case after case (``tests/scripts/compat.py``'s ``main``): each
+(strategy, world) is launched once, on first use, and its cases' results read back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+from tests.helpers.launch import run_ranks
+
+
+class CaseRuns:
+    """``runs.load(kind, world, case)``: rank 0's result of ``case`` under strategy ``kind`` on ``world`` ranks, the
+    launch made the first time ``(kind, world)`` is asked for (``cases(kind)``: the cases it runs)."""
+
+    def __init__(self, script: Path, tmp_path_factory: Any, cases: Callable[[str], List[str]]) -> None:
+        self.script, self.factory, self.cases = script, tmp_path_factory, cases
+        self.done: Dict[Tuple[str, int], Tuple[Path, Dict[str, str]]] = {}
+
+    def load(self, kind: str, world: int, case: str) -> Dict[str, Any]:
+        if (kind, world) not in self.done:
+            d = self.factory.mktemp(f"{kind}{world}")
+            res = run_ranks(self.script, world, ["--strategy", kind, "--cases", ",".join(self.cases(kind))], d)
+            self.done[(kind, world)] = (d, {c: e for r in res for c, e in r["errors"].items()})
+        d, errors = self.done[(kind, world)]
+        assert case not in errors, f"{kind} on {world} ranks, case {case}:\n{errors[case]}"
+        return torch.load(d / f"{case}.pt", weights_only=False)
+
+
+def max_diff(got: Dict[str, torch.Tensor], ref: Dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference over tensors of the same names (the names must be the same)."""
+    assert sorted(got) == sorted(ref)
+    return max((got[n].float() - ref[n].float()).abs().max().item() for n in ref)
