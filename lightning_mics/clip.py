@@ -30,6 +30,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_mics.placement import local, sharded_mesh_dims
 
 
+def _powered_norms(ts: List[Tensor], norm_type: float) -> Tensor:
+    """Each local tensor's norm (in fp32), raised to ``norm_type`` (inf: as is): the terms that add (inf: the
+    largest wins) over the slices of a tensor and over tensors."""
+    norms = torch.stack(torch._foreach_norm([t.float() for t in ts], norm_type))
+    return norms if norm_type == float("inf") else norms ** norm_type
+
+
+def _reduce_over(part: Tensor, dims: Tuple[int, ...], mesh: DeviceMesh, inf: bool) -> None:
+    """Sums (inf: maxes) ``part`` in place over the mesh dimensions its tensors are slices over."""
+    for d in dims:
+        if mesh.size(d) > 1:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh: DeviceMesh,
                     norm_type: float = 2.0, eps: float = 1e-6) -> Tensor:
@@ -54,15 +68,13 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh:
     def reduce_local(ts: List[Tensor]) -> Tensor:
         if not ts:
             return torch.zeros((), dtype=torch.float32, device=device)
-        norms = torch.stack(torch._foreach_norm([t.float() for t in ts], norm_type))
-        return norms.max() if inf else (norms ** norm_type).sum()
+        terms = _powered_norms(ts, norm_type)
+        return terms.max() if inf else terms.sum()
 
     total = torch.zeros((), dtype=torch.float32, device=device)
     for dims in sorted(by_dims):
         part = reduce_local(by_dims[dims])
-        for d in dims:
-            if mesh.size(d) > 1:
-                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
+        _reduce_over(part, dims, mesh, inf)
         total = torch.maximum(total, part) if inf else total + part
     if not inf:
         total = total ** (1.0 / norm_type)
@@ -96,11 +108,8 @@ def grad_norm(module: nn.Module, norm_type: Union[float, int, str], group_separa
         grads.append(local(p.grad))
     norms: Dict[str, Tensor] = {}
     for (_, dims), (mesh, group, grads) in classes.items():
-        part = torch.stack(torch._foreach_norm([g.float() for g in grads], norm_type))
-        part = part if inf else part ** norm_type
-        for d in dims:
-            if mesh.size(d) > 1:
-                dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
+        part = _powered_norms(grads, norm_type)
+        _reduce_over(part, dims, mesh, inf)
         part = part if inf else part ** (1.0 / norm_type)
         norms.update((n, v.to(g.dtype)) for n, v, g in zip(group, part.unbind(), grads))
     out = {f"grad_{norm_type}_norm{group_separator}{n}": norms[n] for n in names}
