@@ -165,14 +165,15 @@ def _names(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[int, 
     return names
 
 
-def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[str, Any]:
+def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None, settle: bool = True) -> Dict[str, Any]:
     """The module's state dict for a sharded save: the DTensor shards themselves (no copy). A unit that happens to
     be gathered (a save from inside a step) contributes its fp32 master shards, never the gathered param_dtype
-    tensors the module holds at that moment."""
+    tensors the module holds at that moment. ``settle``: the optimizer's rows written or stepped since the
+    replicas last agreed on them are exchanged first (collective); not once a load has written the chunks."""
     sd = get_model_state_dict(module)
     if engine is not None:
-        for u in engine.units:
-            u.settle_rows()  # the other replicas' rows are in ([Note: optimizer rows over replicas])
+        if settle:  # the other replicas' rows are in ([Note: rows between steps] in optimizer_rows.py)
+            engine.settle_rows()
         # the chunks as saved without optimizer rows over replicas (``held``), so checkpoints do not depend on it
         held = {id(q): p.held for u in engine.units for p in u.all_params() for q in (p.full, p.sharded)}
         for name, t in module.state_dict(keep_vars=True).items():
@@ -187,8 +188,9 @@ def apply_model_state(module: nn.Module, state: Dict[str, Any], engine: Optional
     """Puts a sharded model state (``model_state``'s layout, e.g. read in place and edited by a hook) into the
     module: a DTensor entry of its target's placement is copied shard to shard (the chunk also where the
     optimizer's rows are cut over replicas, [Note: optimizer rows over replicas]); the rest through
-    ``set_model_state_dict``."""
-    target = model_state(module, engine)
+    ``set_model_state_dict``. The load may have written the chunks in place already: nothing is exchanged before
+    they are taken as what the replicas agree on."""
+    target = model_state(module, engine, settle=False)
     if strict:
         missing, unexpected = [k for k in target if k not in state], [k for k in state if k not in target]
         if missing or unexpected:
@@ -206,7 +208,7 @@ def apply_model_state(module: nn.Module, state: Dict[str, Any], engine: Optional
     if rest:
         set_model_state_dict(module, rest, options=StateDictOptions(strict=False))
     for u in engine.units if engine is not None else ():
-        u.rows_written()  # [Note: quantized optimizer rows] in optimizer_rows.py
+        u.rows_written()  # [Note: rows between steps] in optimizer_rows.py
 
 
 def optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer,

@@ -74,6 +74,8 @@ class MiCSEngine:
         if on_meta:  # [Note: sharded initialization] in materialize.py
             materialize(root, {(id(r.module), r.attr): p for u in self.units for p in u.all_params()
                                for r in p.refs}, device)
+        for unit in self.units:  # [Note: rows between steps] in optimizer_rows.py
+            unit.rows_written()
         self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
                                  reshard_after_forward)
         self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize)
@@ -134,8 +136,17 @@ class MiCSEngine:
 
     # -- entry points -----------------------------------------------------------------------------------
     def quiesce(self, pinned: bool = True) -> None:
-        """[``Schedule.quiesce``]: every unit not running released (``pinned``: pinned ones too)."""
+        """[``Schedule.quiesce``]: every unit not running released (``pinned``: pinned ones too), the optimizer's
+        rows settled first (collective)."""
+        self.schedule.exchange_rows()
         self.schedule.quiesce(pinned)
+
+    def settle_rows(self) -> None:
+        """Every unit's chunks as the replicas agree on them ([Note: rows between steps] in optimizer_rows.py):
+        before they are saved or loaded. Collective over the replica group."""
+        self.schedule.exchange_rows()
+        for unit in self.units:
+            unit.settle_rows()
 
     def before_optimizer_step(self) -> None:
         """Pre-step hook of every optimizer ([``Schedule.before_optimizer_step``])."""
@@ -155,12 +166,14 @@ class MiCSEngine:
         return full_state.full_state_dict(self.units, self.topo, self.root, dst)
 
     def load_full_state_dict(self, state: Dict[str, Tensor], strict: bool = True) -> None:
+        self.settle_rows()  # what the load leaves alone agrees across the replicas before all of it is taken so
         full_state.load_full_state_dict(self.units, self.root, state, self.device, strict)
 
     def restore_module(self) -> Dict[int, nn.Parameter]:
         """Removes the hooks and puts full, plain parameters (master dtype) back into the modules, unit by
         unit. Collective. Returns ``{id(DTensor parameter): plain parameter}`` for re-pointing optimizers."""
         self.remove_hooks()
+        self.settle_rows()
         return full_state.restore_module(self.units)
 
     def remove_hooks(self) -> None:
@@ -199,6 +212,8 @@ class MiCSEngine:
             return st.nbytes()
 
         params = sum(nbytes(u.shard_flat) for u in self.units) + sum(nbytes(rp.local) for rp in self.replicated)
+        params += sum(nbytes(t) for u in self.units if u.optimizer_rows is not None
+                      for t in u.optimizer_rows.buffers())  # [Note: rows between steps] in optimizer_rows.py
         params += sum(nbytes(u.full_flat) for u in self.units if u.pinned)  # whole on every rank, kept
         grads = 0
         for u in self.units:

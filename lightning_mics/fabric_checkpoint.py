@@ -172,7 +172,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra=residuals)
             feedback.restore(engines, residuals)
             for m, e in mods.values():  # the shards were read in place; buffers and plain modules through this
-                ckpt.apply_model_state(m, ckpt.model_state(m, e), e)
+                ckpt.apply_model_state(m, ckpt.model_state(m, e, settle=False), e)
             remainder = dict(meta)
     remainder.pop(files.MARKER, None)
     for k, v in rest.items():

@@ -53,7 +53,7 @@ def gather_rows(unit: Unit, locals_: Sequence[Optional[Tensor]], dtype: torch.dt
     receive buffer waits for gloo's thread to drop its Work before the next one is allocated).
     """
     scratch = scratch or Scratch()
-    unit.settle_rows()  # [Note: optimizer rows over replicas] in optimizer_rows.py
+    unit.settle_rows()  # [Note: rows between steps] in optimizer_rows.py
     if all(t is sp.local for sp, t in zip(unit.params, locals_)) and dtype == unit.dtype:
         flat = unit.shard_flat  # the master shard itself is the send buffer (padding rows are zero)
     else:
@@ -143,7 +143,7 @@ def load_full_state_dict(units: Sequence[Unit], root: nn.Module, state: Dict[str
         else:
             local(t).copy_(src)
     for unit in units:
-        unit.rows_written()  # [Note: quantized optimizer rows] in optimizer_rows.py
+        unit.rows_written()  # [Note: rows between steps] in optimizer_rows.py
 
 
 def _as_torch_loads(root: nn.Module, state: Dict[str, Tensor], strict: bool) -> Dict[str, Tensor]:

@@ -284,6 +284,14 @@ def quantized_all_gather(
     return AllGatherResult(None, work, finish)
 
 
+def round_trip(shard: Tensor, block_size: int, dtype: torch.dtype, kernels: str = "auto") -> Tensor:
+    """``shard`` as every rank gets it from ``quantized_all_gather`` (dequantized into ``dtype``)."""
+    out = torch.empty(shard.numel(), dtype=dtype, device=shard.device)
+    triton_kernels.dequantize(triton_kernels.quantize([shard], block_size, backend=kernels).wire, [out], block_size,
+                              backend=kernels)
+    return out
+
+
 def quantized_all_gather_two_hop(
     shard: Tensor,
     nodes: NodeGroups,

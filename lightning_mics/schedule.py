@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from lightning_mics.optimizer_rows import exchange
 from lightning_mics.unit import ShardedState, Unit
 
 
@@ -88,6 +89,8 @@ class Schedule:
         for unit in self.units:
             if unit.depth == 0 and unit is not self.root:
                 unit.release()
+        self.root.take_exposed()  # written since the last pass: into the masters, and across with the rows
+        self.exchange_rows()
         if self._forward_seen:
             self.forward_order = self._forward_seen
         self._forward_seen = []
@@ -145,6 +148,8 @@ class Schedule:
         forward without grad (evaluation) no backward follows, so nothing prefetched may linger."""
         if not (grad and self.keep_after_forward(unit)):
             unit.release()
+        else:
+            unit.exposed = True  # [Note: writes between steps] in unit.py
         if unit is self.root and not grad:
             self.quiesce(pinned=False)
 
@@ -159,27 +164,33 @@ class Schedule:
     def after_backward(self, unit: Unit, boundary: bool) -> None:
         if self.releases_after_backward(unit, boundary):
             unit.release()
+        else:
+            unit.exposed = True  # [Note: writes between steps] in unit.py
 
     def quiesce(self, pinned: bool = True) -> None:
         """Releases every unit that is not running (waiting for its prefetch): before a state dict or a save,
         so the modules hold their DTensor masters, and after a pass without grad, so no gather lingers
         (``pinned=False``: pinned units stay, as between training steps)."""
         for unit in self.units:
-            unit.settle_rows()  # [Note: optimizer rows over replicas] in optimizer_rows.py
+            unit.settle_rows()  # [Note: rows between steps] in optimizer_rows.py
             if not unit.in_use:
                 unit.release(force=pinned)
 
+    def exchange_rows(self) -> None:
+        """The optimizer's rows that changed since the replicas agreed on them start across the replicas
+        ([Note: rows between steps] in optimizer_rows.py). Collective over the replica group."""
+        exchange([u.optimizer_rows for u in self.units if u.optimizer_rows is not None])
+
     def before_optimizer_step(self) -> None:
-        """Pre-step hook of every optimizer: [Note: quantized optimizer rows] in optimizer_rows.py."""
+        """Pre-step hook of every optimizer: [Note: writes between steps] in unit.py."""
         for unit in self.units:
-            unit.take_writes()  # [Note: writes between steps] in unit.py
-            unit.snapshot_rows()
+            unit.take_writes()
 
     def after_optimizer_step(self) -> None:
-        """Post-step hook of every optimizer: the updated rows start across the replicas ([Note: optimizer rows
-        over replicas] in optimizer_rows.py); units still in use get the new values; idle ones are released."""
+        """Post-step hook of every optimizer: the updated rows are due across the replicas ([Note: rows between
+        steps] in optimizer_rows.py); units still in use get the new values; idle ones are released."""
         for unit in self.units:
-            unit.share_rows()
+            unit.rows_stepped()
         for unit in self.units:
             if unit.state is ShardedState.GATHERED and (unit.depth > 0 or unit.pinned):
                 unit.refresh()

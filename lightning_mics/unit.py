@@ -135,6 +135,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.is_prefetched = False  # issued by the schedule, not yet run
         self.pinned = pinned  # gathered once and kept ([Note: optimizer-state-only sharding] in gradients.py)
+        self.exposed = False  # kept gathered after a pass: user code may write it ([Note: writes between steps])
         self.depth = 0  # nested forward calls in progress
         self.pending_post_backward = 0  # forward calls whose post-backward has not fired
         self.registered_post_backward = 0  # forward calls (this iteration) that hooked their inputs
@@ -170,6 +171,7 @@ class Unit:
         return self.depth == 1
 
     def begin_forward(self) -> None:
+        self.take_exposed()
         self.training_state = TrainingState.FORWARD
 
     def exit_forward(self) -> bool:
@@ -194,6 +196,7 @@ class Unit:
         """A pre-backward hook fired; True for the first one of this backward pass."""
         if self.training_state is TrainingState.PRE_BACKWARD:
             return False
+        self.take_exposed()  # before its reduce-scatter may stage in the full storage ([Note: staging in place])
         self.training_state = TrainingState.PRE_BACKWARD
         return True
 
@@ -293,7 +296,8 @@ class Unit:
         stays gathered unless ``force``."""
         if self.state is ShardedState.SHARDED or (self.pinned and not force):
             return
-        self.take_writes()  # a pinned unit's plain parameters, written since the last step, into the masters
+        if self.pinned or self.exposed:
+            self.take_writes()  # plain parameters that user code could write, into the masters
         if self._gather is not None:  # a prefetch never used: its first hop is waited, no second hop (alike
             C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)
             self._gather = None
@@ -301,7 +305,7 @@ class Unit:
         if self.params and not self._reading_full:  # else the last reduce-scatter reading it frees it
             self.full_flat.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
-        self.is_prefetched = False
+        self.is_prefetched = self.exposed = False
         self.log.live(-self.full_numel)
 
     def refresh(self) -> None:
@@ -315,44 +319,58 @@ class Unit:
             C.copy_out(out, self.full_views, self.s, self.kernels)
 
     # [Note: writes between steps]
-    # Between steps the module computes with the pinned unit's plain parameters (``full_flat``), not with the masters
-    # the optimizer steps (``shard_flat``), and the refresh after the next step overwrites them from the masters. A
-    # write to the parameters outside the optimizer step (a clamp after it, weights swapped in for validation and back)
-    # would be lost. So before the masters are read (the optimizers' pre-step hook, which Lightning runs before the
-    # closure's forward; a release for a save, a state dict or the end of fit) each rank takes its own rows of the
-    # plain parameters back into its masters where they differ: with param_dtype lower than the masters', the elements
-    # left alone equal the master rounded and keep the master's bits. Every rank holds the same plain parameters and
-    # takes its own rows, so the masters agree with them everywhere.
+    # A unit that stays gathered while user code runs lends it plain parameters (``full_flat``), not the masters the
+    # optimizer steps (``shard_flat``): a pinned unit between steps ([Note: optimizer-state-only sharding] in
+    # gradients.py), whose refresh after the next step overwrites them from the masters, and a unit kept gathered
+    # after a pass (``exposed``: the root between the micro-batches of a window, [Note: keep for backward] in
+    # schedule.py), whose release frees them. A write to them (a clamp after the step or after a micro-batch,
+    # weights swapped in for validation and back) would be lost: before the clamp between micro-batches was taken,
+    # it ended 0.0094 from DDP on 4 ranks at s = 2. So before the masters are read (the optimizers' pre-step hook,
+    # which Lightning runs before the closure's forward), when a pass next uses a kept unit (its forward or its
+    # backward begins: before its reduce-scatter may stage in the full storage) and before the plain parameters are
+    # freed otherwise (a release) each rank takes its own rows of them (the optimizer's) into its masters where they
+    # differ from what its gather delivered (the master rounded to param_dtype, or its int8 round trip with
+    # quantize_allgather): the elements left alone keep the master's bits. Every rank of a shard group holds the
+    # same plain parameters and takes its own rows, so the masters agree with them everywhere (with rows over
+    # replicas once the rows have crossed).
+    def take_exposed(self) -> None:
+        """A pass uses a unit kept gathered since the last one: what user code wrote in between, into the masters."""
+        if self.exposed:
+            self.take_writes()
+            self.exposed = False
+
     def take_writes(self) -> None:
-        """[Note: writes between steps]: a pinned unit's plain parameters into this rank's master
-        rows, wherever a write outside the optimizer step changed them."""
-        if not (self.pinned and self.state is ShardedState.GATHERED):
+        """[Note: writes between steps]: a gathered unit's plain parameters into this rank's master rows, wherever
+        a write outside the optimizer step changed them."""
+        if self.state is not ShardedState.GATHERED or not self.params:
             return
         with torch.no_grad():
+            if self.nodes is not None and self.quantize.allgather:  # as the int8 gather delivered the shard
+                gathered = Q.round_trip(self.shard_flat, self.quantize.block_size, self.param_dtype, self.kernels)
+            else:
+                gathered = self.shard_flat.to(self.param_dtype)  # the master rounded, if lower
             for sp, full in zip(self.params, self.full_views):
-                own, master = full[sp.rows.lo:sp.rows.hi], sp.local
+                # the optimizer's rows: with rows over replicas the others cross in their exchange ([Note: rows
+                # between steps] in optimizer_rows.py), which with int8 deltas adds their change to the chunk
+                lo, hi = sp.rows.sub_lo, sp.rows.sub_hi
+                own, master = full[sp.rows.lo + lo:sp.rows.lo + hi], sp.stepped
                 if own.numel():
-                    written = own != master.to(own.dtype)  # unwritten: equal (to the master rounded, if lower)
-                    master.copy_(torch.where(written, own.to(master.dtype), master))
+                    before = OptimizerRows.chunk_of(gathered, sp)[lo:hi]
+                    master.copy_(torch.where(own != before, own.to(master.dtype), master))
 
     # -- the optimizer's rows over replicas ([Note: optimizer rows over replicas] in optimizer_rows.py) ----------
-    def snapshot_rows(self) -> None:
-        """Before an optimizer step: the rows it may change, as every replica holds them (int8 deltas only)."""
-        if self.optimizer_rows is not None:
-            self.optimizer_rows.snapshot()
-
     def rows_written(self) -> None:
-        """Every replica's chunk was written alike (a load): [Note: quantized optimizer rows]."""
+        """Every replica's chunks were written alike (built, or loaded): [Note: rows between steps]."""
         if self.optimizer_rows is not None:
-            self.optimizer_rows.written()
+            self.optimizer_rows.agree()
 
-    def share_rows(self) -> None:
-        """After an optimizer step: the all-gather of this replica's updated rows starts (async)."""
+    def rows_stepped(self) -> None:
+        """After an optimizer step: this replica's rows are to cross the replicas before the chunks are read."""
         if self.optimizer_rows is not None:
-            self.optimizer_rows.share(self.shard_flat)
+            self.optimizer_rows.stale = True
 
     def settle_rows(self) -> None:
-        """Before the flat shard is read: the other replicas' rows are in."""
+        """Before the flat shard is read: the other replicas' rows are in (a stale unit exchanges them first)."""
         if self.optimizer_rows is not None:
             self.optimizer_rows.settle()
 
@@ -372,7 +390,7 @@ class Unit:
             self.log.live(-self.full_numel)
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.is_prefetched = False
+        self.is_prefetched = self.exposed = False
         self.depth = 0
         self.clear_counters()
 

@@ -50,8 +50,9 @@ def test_fabric_loop_equals_one_plain_process(four, case):
     # the state comes from the masters: fp32, bf16-mixed included; bf16-true trains bf16 parameters
     assert r0["dtypes"] == ["torch.bfloat16" if case.endswith("bf16-true") else "torch.float32"], r0
     s = int(case.split(":")[1])
+    rows = r0["whole_bytes"] / 4 if case.endswith(":os") else 0  # a copy of this replica's rows: 1 / (s r) of 4 ranks
     for r in results:  # each rank holds about 1/s of the parameters (small ones replicated)
-        assert r[case]["held_params"] <= 1.05 * r0["whole_bytes"] / s + 4 * 61 * 4 + 4 * 24 * 8, (r[case], r0)
+        assert r[case]["held_params"] <= 1.05 * r0["whole_bytes"] / s + rows + 4 * 61 * 4 + 4 * 24 * 8, (r[case], r0)
     if case.endswith(":meta"):
         assert all(r[case]["on_meta"] for r in results)  # init_module(empty_init=True): never a full model
 
@@ -180,10 +181,15 @@ def test_quantize_gradients_under_no_backward_sync_within_the_derived_bound(tmp_
     for r in res:
         fp32, int8 = r[case]["runs"]
         assert fp32["replica"] == [["all_reduce", "torch.float32"]], fp32
-        assert int8["replica"] == [["all_gather", "torch.uint8"], ["all_to_all", "torch.uint8"]], int8
-        if case.endswith(":os"):  # one unit: its reduce-scatter's all-to-all, its rows' all-gather per optimizer
-            assert int8["replica_ops"] == 3 * 6, int8
+        if case.endswith(":os"):  # [Note: rows between steps] in optimizer_rows.py. One unit: per step its reduce-
+            # scatter's all-to-all and, once both optimizers have stepped, one all-gather of its rows when the next
+            # forward starts (5 in the loop, the last step's at the state dict after it); the all-reduce of a flag
+            # on the forwards no step precedes (the first, and the second micro-batch of each of the 6 windows)
+            assert int8["replica"] == [["all_gather", "torch.uint8"], ["all_reduce", "torch.float32"],
+                                       ["all_to_all", "torch.uint8"]], int8
+            assert int8["replica_ops"] == 6 + 5 + 7, int8
         else:
+            assert int8["replica"] == [["all_gather", "torch.uint8"], ["all_to_all", "torch.uint8"]], int8
             assert int8["replica_ops"] == 2 * fp32["replica_ops"], (fp32, int8)  # the same sync points, deferred
 
 

@@ -24,7 +24,9 @@ W ranks at the boundary, whatever the accumulation, and the world all-reduce.
 With ``shard_optimizer_state`` and s > 1 ([Note: optimizer rows over replicas] in optimizer_rows.py) the units
 are MiCS's, but each replica steps ceil(n / r) of its chunk's n rows: optimizer state and the gradients it sees
 are those rows; the replica all-reduce is one reduce-scatter per unit (the reduction dtype) and one all-gather
-per unit after the step (the master dtype), each of r x the rows' slots.
+per unit after the step (the master dtype), each of r x the rows' slots; each unit keeps a copy of this replica's
+row (the master dtype, counted with params), and each of the window's forwards after its first all-reduces a
+4-byte flag per unit over the replica group ([Note: rows between steps]).
 Quantized traffic ([Note: quantized traffic] in config.py): with ``quantize_gradients`` each replica all-reduce
 moves the int8 wire of its bucket, ``quantized.wire_bytes`` = b (1 + 4/B) bytes up to padding, in place of b times
 the reduction dtype (x (1 + 4/B)/4 against fp32), the same ring time (an all-to-all and an all-gather of it), and
@@ -177,6 +179,8 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0, repl
     params = grads = opt = 0
     for u in units:
         params += u.shard_numel * master + sum(math.prod(p.shape) for p in u.replicated) * master
+        if _over_replicas(st, s) > 1 and u.sharded:  # [Note: rows between steps]: this replica's rows, a copy
+            params += _row(u) * master
         trainable = [i for i, p in enumerate(u.sharded) if p.trainable]
         if trainable and _over_replicas(st, s) > 1:  # the reduce-scatter's output is the gradients
             grads += sum(u.slots) * reduce if reduce == master else sum(u.local[i] for i in trainable) * master
@@ -272,6 +276,9 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
                 r * sum(u.slots) * reduce, 1 if _unit_buckets(u, st) else 0)
             add("all_gather/replicate", r * wire_bytes(_row(u), 1, B) if st.quantize_gradients == "error_feedback"
                 else r * sum(u.slots) * master)
+    rows_units = sum(1 for u in units if u.sharded)
+    if r > 1 and st.shard_optimizer_state and rows_units:  # [Note: rows between steps]: a flag per unit, fp32
+        add("all_reduce/replicate", 4 * rows_units, A - 1)  # on the forwards inside the window (no step before)
     if W > 1:
         for b in _world_buckets(units, st):
             add("all_reduce/world", b * 4)

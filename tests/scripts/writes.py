@@ -1,12 +1,20 @@
-"""Parameters written outside the optimizer step, under the optimizer-state-only layout (``zero1``: s = 1,
-``shard_optimizer_state=True``, every parameter sharded) or DDP, one case after another in one process (one rank).
+"""Parameters read and written outside the optimizer step, under the layouts with ``shard_optimizer_state=True``
+(every parameter sharded) or DDP, one case after another in one process (one rank):
 
-    python writes.py --out DIR --strategy zero1|ddp --cases clamp,swap,bits
+- ``zero1``: s = 1, the optimizer-state-only layout;
+- ``mics``: s = 2 (the root kept gathered between the micro-batches of a window);
+- ``mics_os``: s = 2, the optimizer's rows over the replicas (r = 2 on 4 ranks); ``mics_os_q8``: the same with
+  ``quantize_gradients="error_feedback"`` (the rows' change travels in int8); ``mics_os_q8_exact``: with
+  ``quantization_block_size=1``, a scale per element, so that int8 carries every value without rounding.
+
+    python writes.py --out DIR --strategy zero1|mics|mics_os|mics_os_q8|mics_os_q8_exact|ddp --cases clamp,swap,read
 
 - ``clamp``: WGAN's weight clipping, ``p.data.clamp_`` on every parameter after every step (in
   ``on_train_batch_end``), with accumulation 2 (so also between the micro-batches of a window);
 - ``swap``: weights kept as a running average (made at the first batch's end) swapped in for validation and back, as
   a hand-written EMA does: the validation loss and the trained parameters;
+- ``read``: every parameter's norm, read in ``on_train_batch_end`` after every step (a DTensor's through
+  ``full_tensor``);
 - ``bits`` (zero1 only): under ``bf16-mixed`` with no write, taking the plain parameters back into the masters
   after every step leaves every master bit as it was ([Note: writes between steps] in lightning_mics/unit.py).
 """
@@ -15,13 +23,16 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
+from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params, strategy_for  # noqa: E402
+from tests.scripts.compat import trainer_for  # noqa: E402
 
 
 class Clamp(Base):
@@ -56,6 +67,16 @@ class Swap(Base):
         self.log("val_loss", self.loss(batch), sync_dist=True)
 
 
+class Read(Base):
+    """Every parameter's norm after every step, as a callback logging them reads it."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.norms = getattr(self, "norms", [])
+        with torch.no_grad():
+            self.norms.append(torch.stack([(p.full_tensor() if isinstance(p, DTensor) else p).norm()
+                                           for p in self.parameters()]))
+
+
 class Bits(Base):
     """After every step: the masters before and after taking back unwritten plain parameters (bf16 copies)."""
 
@@ -71,8 +92,14 @@ class Bits(Base):
 def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
     ds = classification_data(4 * world * BATCH)
-    strategy = MiCSStrategy(sharded_data_parallel_degree=1, shard_optimizer_state=True, param_persistence_threshold=0) \
-        if kind == "zero1" else None
+    if kind == "zero1":
+        strategy = MiCSStrategy(sharded_data_parallel_degree=1, shard_optimizer_state=True,
+                                param_persistence_threshold=0)
+    elif kind in ("mics_os_q8", "mics_os_q8_exact"):  # exact: one scale per element, int8 without rounding
+        strategy = strategy_for("mics_os", quantize_gradients="error_feedback",
+                                quantization_block_size=1 if kind == "mics_os_q8_exact" else 2048)
+    else:
+        strategy = strategy_for(kind)
     result = {}
     if case == "clamp":
         m = Clamp()
@@ -83,6 +110,11 @@ def run_case(case, kind, world, rank, out):
         trainer = trainer_for(kind, world, max_epochs=2, limit_val_batches=2, strategy=strategy)
         trainer.fit(m, loader(ds, kind, world, rank), loader(ds, kind, world, rank))
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    elif case == "read":
+        m = Read()
+        trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy).fit(
+            m, loader(ds, kind, world, rank))
+        result["norms"] = torch.stack(m.norms)
     elif case == "bits":
         m = Bits()
         trainer_for(kind, world, max_steps=4, precision="bf16-mixed", strategy=strategy).fit(
@@ -91,6 +123,9 @@ def run_case(case, kind, world, rank, out):
     else:
         raise ValueError(case)
     result["params"] = params(m)
+    ranks = [None] * world  # every rank's parameters: the replicas must hold the same bits
+    dist.all_gather_object(ranks, result["params"])
+    result["ranks"] = ranks
     return result
 
 
