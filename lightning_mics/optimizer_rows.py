@@ -176,16 +176,15 @@ class OptimizerRows:
             self._agreed = self._pack([sp.stepped for sp in self.params], ref.dtype, ref.device, self.row)
         self.stale = self._rows_next = False
 
-    def changed(self) -> bool:
-        """Whether this replica's rows differ, bit for bit, from what the replicas agreed on (local)."""
+    def changed(self) -> Tensor:
+        """Whether this replica's rows differ, bit for bit, from what the replicas agreed on: a 0-dim float tensor
+        on the rows' device (1.0: changed), so that many units are decided with one host synchronization."""
+        ref = self.params[0].local
         if self.stale or self._agreed is None:
-            return True
-        for sp, o in zip(self.params, self.offsets):
-            n = sp.stepped.numel()
-            if n and not torch.equal(sp.stepped.reshape(-1).view(torch.uint8),
-                                     self._agreed[o:o + n].view(torch.uint8)):
-                return True
-        return False
+            return torch.ones((), device=ref.device)
+        flags = [torch.ne(sp.stepped.reshape(-1).view(torch.uint8), self._agreed[o:o + sp.stepped.numel()]
+                          .view(torch.uint8)).any() for sp, o in zip(self.params, self.offsets) if sp.stepped.numel()]
+        return torch.stack(flags).any().float() if flags else torch.zeros((), device=ref.device)
 
     def share(self) -> None:
         """Starts the exchange of this replica's rows (async): the rows, or with int8 deltas their change since
@@ -272,7 +271,7 @@ def exchange(units: Sequence[OptimizerRows]) -> None:
         return
     check = [u for u in units if not u.stale]
     if check:
-        flags = torch.tensor([float(u.changed()) for u in check], device=units[0].params[0].local.device)
+        flags = torch.stack([u.changed() for u in check])
         C.all_reduce_sum(flags, units[0].group, log=units[0].log, group_name="replicate")
         for u, f in zip(check, flags.tolist()):
             u.stale = u.stale or f > 0
