@@ -280,8 +280,12 @@ def load_sharded(path: Path, index: Metadata, module: nn.Module, optimizers: Seq
 
 def _model_target(path: Path, index: Metadata, key: str, module: nn.Module, strict: bool,
                   engine: Optional[MiCSEngine]) -> Dict[str, Any]:
-    """The module's own state (its shards, read in place) for the entries saved under ``key``."""
+    """The module's own state (its shards, read in place) for the entries saved under ``key``. Every unit is
+    released first (collective): a unit kept gathered (ZeRO-1's pinned one) would go on computing with, and later
+    take back, parameters from before the load ([Note: writes between steps] in unit.py)."""
     saved = {where[0]: md for where, md in _saved(index, key)}
+    if engine is not None:
+        engine.quiesce()
     target = model_state(module, engine)
     files.check_against_module(path, key, saved, target, strict)
     return {k: v for k, v in target.items() if k in saved}

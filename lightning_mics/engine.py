@@ -166,7 +166,9 @@ class MiCSEngine:
         return full_state.full_state_dict(self.units, self.topo, self.root, dst)
 
     def load_full_state_dict(self, state: Dict[str, Tensor], strict: bool = True) -> None:
-        self.settle_rows()  # what the load leaves alone agrees across the replicas before all of it is taken so
+        # released (a unit kept gathered would go on with, and take back, what the load replaces), and what the load
+        # leaves alone agrees across the replicas before all of it is taken so
+        self.quiesce()
         full_state.load_full_state_dict(self.units, self.root, state, self.device, strict)
 
     def restore_module(self) -> Dict[int, nn.Parameter]:
