@@ -157,6 +157,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             raise ValueError("MiCSStrategy: fabric.setup_optimizers(optimizer) before any module was set up: set up "
                              "the module first (model = fabric.setup_module(model)), then build the optimizer from "
                              "model.parameters(), or pass both to fabric.setup(model, optimizer).")
+        F.point_at_shards(optimizer)
         engine = F.engine_holding(optimizer)
         where = ("Set up the module first (model = fabric.setup_module(model)), then build the optimizer from "
                  "model.parameters() and call fabric.setup_optimizers(optimizer), or pass both to "

@@ -294,6 +294,17 @@ def engine_holding(optimizer: torch.optim.Optimizer) -> Optional[MiCSEngine]:
     return next(iter(engines.values()))
 
 
+def point_at_shards(optimizer: torch.optim.Optimizer) -> None:
+    """A unit kept gathered (by a forward with grad and no backward yet, or ZeRO-1's pinned one) lends the module
+    its plain parameters, so an optimizer built from ``model.parameters()`` then holds them: one with no state yet
+    is pointed at their shards, as if built while the unit was released."""
+    if optimizer.state:
+        return
+    shards = {id(p.full): p.sharded for e in live_engines() for u in e.units for p in u.all_params()}
+    for group in optimizer.param_groups:
+        group["params"] = [shards.get(id(p), p) for p in group["params"]]
+
+
 def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where: str) -> None:
     """Refuses an optimizer built over parameters that are not the sharded module's (built too early), and one
     whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer),

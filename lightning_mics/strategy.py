@@ -222,6 +222,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         super().setup_optimizers(trainer)
         engine = self.engine
         for opt in self.optimizers:
+            F.point_at_shards(F.unwrap(opt))
             F.check_optimizer(engine, F.unwrap(opt), "Build optimizers in configure_optimizers from "
                               "self.parameters() (or named_parameters()), after the strategy has sharded the module")
             self._step_hooks.append(opt.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))

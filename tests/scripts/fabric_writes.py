@@ -9,7 +9,9 @@ clamped to [-0.05, 0.05] (WGAN's weight clipping); after every step a running av
 (read), and after every second step it is swapped in for an evaluation forward under ``no_grad`` and swapped out
 again. Rank 0 writes
 ``result.json``: the largest difference to the reference's parameters and evaluation losses, and whether every
-rank ended with the same parameters.
+rank ended with the same parameters. Before the optimizer is built, a forward with grad and no backward (a shape
+probe) leaves the root unit gathered, so ``model.parameters()`` gives its plain parameters (``point_at_shards`` in
+lightning_mics/frontend.py).
 """
 
 import argparse
@@ -82,6 +84,7 @@ def main():
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(Net())
+    model(x[0, 0, rank])  # a probe: a forward with grad and no backward leaves the root unit gathered
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
 
     def evaluate(m):
