@@ -285,8 +285,8 @@ def _model_target(path: Path, index: Metadata, key: str, module: nn.Module, stri
     take back, parameters from before the load ([Note: writes between steps] in unit.py)."""
     saved = {where[0]: md for where, md in _saved(index, key)}
     if engine is not None:
-        engine.quiesce()
-    target = model_state(module, engine)
+        engine.quiesce()  # the rows settled too: the target needs no second exchange
+    target = model_state(module, engine, settle=False)
     files.check_against_module(path, key, saved, target, strict)
     return {k: v for k, v in target.items() if k in saved}
 

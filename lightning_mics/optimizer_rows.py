@@ -156,7 +156,10 @@ class OptimizerRows:
 
     def _pack(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, device: torch.device,
               numel: int) -> Tensor:
-        send = torch.zeros(numel, dtype=dtype, device=device)
+        return self._pack_into(torch.zeros(numel, dtype=dtype, device=device), locals_)
+
+    def _pack_into(self, send: Tensor, locals_: Sequence[Optional[Tensor]]) -> Tensor:
+        """Each tensor into its slot of ``send`` (the rest of ``send`` left as it is)."""
         for i, t in enumerate(locals_):
             if t is not None and t.numel():
                 send[self.offsets[i]:self.offsets[i] + t.numel()].copy_(t.reshape(-1))
@@ -180,7 +183,7 @@ class OptimizerRows:
         """Whether this replica's rows differ, bit for bit, from what the replicas agreed on: a 0-dim float tensor
         on the rows' device (1.0: changed), so that many units are decided with one host synchronization."""
         ref = self.params[0].local
-        if self.stale or self._agreed is None:
+        if self._agreed is None:
             return torch.ones((), device=ref.device)
         flags = [torch.ne(sp.stepped.reshape(-1).view(torch.uint8), self._agreed[o:o + sp.stepped.numel()]
                           .view(torch.uint8)).any() for sp, o in zip(self.params, self.offsets) if sp.stepped.numel()]
@@ -196,7 +199,7 @@ class OptimizerRows:
         self._pending_rows = not self.deltas or self._rows_next
         with torch.no_grad():
             if self._pending_rows:
-                agreed.copy_(self._pack([sp.stepped for sp in self.params], agreed.dtype, agreed.device, self.row))
+                self._pack_into(agreed, [sp.stepped for sp in self.params])  # its padding stays zero
                 self._pending = C.all_gather_flat(agreed[:self.offsets[-1]], self.group, self.r, async_op=True,
                                                   log=self.log, group_name="replicate")
             else:
