@@ -148,7 +148,7 @@ class Schedule:
         forward without grad (evaluation) no backward follows, so nothing prefetched may linger."""
         if not (grad and self.keep_after_forward(unit)):
             unit.release()
-        else:
+        elif not unit.pinned:  # a pinned unit's writes are taken before the step reads the masters
             unit.exposed = True  # [Note: writes between steps] in unit.py
         if unit is self.root and not grad:
             self.quiesce(pinned=False)
@@ -164,7 +164,7 @@ class Schedule:
     def after_backward(self, unit: Unit, boundary: bool) -> None:
         if self.releases_after_backward(unit, boundary):
             unit.release()
-        else:
+        elif not unit.pinned:  # a pinned unit's writes are taken before the step reads the masters
             unit.exposed = True  # [Note: writes between steps] in unit.py
 
     def quiesce(self, pinned: bool = True) -> None:

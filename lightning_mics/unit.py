@@ -323,7 +323,9 @@ class Unit:
     # optimizer steps (``shard_flat``): a pinned unit between steps ([Note: optimizer-state-only sharding] in
     # gradients.py), whose refresh after the next step overwrites them from the masters, and a unit kept gathered
     # after a pass (``exposed``: the root between the micro-batches of a window, [Note: keep for backward] in
-    # schedule.py), whose release frees them. A write to them (a clamp after the step or after a micro-batch,
+    # schedule.py), whose release frees them. A pinned unit is never marked exposed: its writes are taken only when
+    # the masters are read, since a write undone before then (weights swapped in for validation and back) would
+    # otherwise round the masters to the param_dtype copies it restores. A write to them (a clamp after the step or after a micro-batch,
     # weights swapped in for validation and back) would be lost: before the clamp between micro-batches was taken,
     # it ended 0.0094 from DDP on 4 ranks at s = 2. So before the masters are read (the optimizers' pre-step hook,
     # which Lightning runs before the closure's forward), when a pass next uses a kept unit (its forward or its

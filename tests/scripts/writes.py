@@ -13,6 +13,7 @@
   ``on_train_batch_end``), with accumulation 2 (so also between the micro-batches of a window);
 - ``swap``: weights kept as a running average (made at the first batch's end) swapped in for validation and back, as
   a hand-written EMA does: the validation loss and the trained parameters;
+- ``swap_bf16``: ``swap`` under ``bf16-mixed``;
 - ``read``: every parameter's norm, read in ``on_train_batch_end`` after every step (a DTensor's through
   ``full_tensor``);
 - ``bits`` (zero1 only): under ``bf16-mixed`` with no write, taking the plain parameters back into the masters
@@ -105,11 +106,13 @@ def run_case(case, kind, world, rank, out):
         m = Clamp()
         trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy).fit(
             m, loader(ds, kind, world, rank))
-    elif case == "swap":
+    elif case in ("swap", "swap_bf16"):
         m = Swap()
-        trainer = trainer_for(kind, world, max_epochs=2, limit_val_batches=2, strategy=strategy)
+        trainer = trainer_for(kind, world, max_epochs=2, limit_val_batches=2, strategy=strategy,
+                              precision="bf16-mixed" if case == "swap_bf16" else "32-true")
         trainer.fit(m, loader(ds, kind, world, rank), loader(ds, kind, world, rank))
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
+        result["dtypes"] = sorted({str(p.dtype) for p in m.parameters()})
     elif case == "read":
         m = Read()
         trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy).fit(
