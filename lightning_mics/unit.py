@@ -323,9 +323,7 @@ class Unit:
     # optimizer steps (``shard_flat``): a pinned unit between steps ([Note: optimizer-state-only sharding] in
     # gradients.py), whose refresh after the next step overwrites them from the masters, and a unit kept gathered
     # after a pass (``exposed``: the root between the micro-batches of a window, [Note: keep for backward] in
-    # schedule.py), whose release frees them. A pinned unit is never marked exposed: its writes are taken only when
-    # the masters are read, since a write undone before then (weights swapped in for validation and back) would
-    # otherwise round the masters to the param_dtype copies it restores. A write to them (a clamp after the step or after a micro-batch,
+    # schedule.py), whose release frees them. A write to them (a clamp after the step or after a micro-batch,
     # weights swapped in for validation and back) would be lost: before the clamp between micro-batches was taken,
     # it ended 0.0094 from DDP on 4 ranks at s = 2. So before the masters are read (the optimizers' pre-step hook,
     # which Lightning runs before the closure's forward), when a pass next uses a kept unit (its forward or its
@@ -334,7 +332,9 @@ class Unit:
     # differ from what its gather delivered (the master rounded to param_dtype, or its int8 round trip with
     # quantize_allgather): the elements left alone keep the master's bits. Every rank of a shard group holds the
     # same plain parameters and takes its own rows, so the masters agree with them everywhere (with rows over
-    # replicas once the rows have crossed).
+    # replicas once the rows have crossed). A pinned unit is never marked exposed: its writes are taken only when the
+    # masters are read, since a write undone before then (weights swapped in for validation and back) would
+    # otherwise round the masters to the param_dtype copies it restores (0.013 from DDP under bf16-mixed).
     def take_exposed(self) -> None:
         """A pass uses a unit kept gathered since the last one: what user code wrote in between, into the masters."""
         if self.exposed:
