@@ -242,3 +242,45 @@ def test_engine_never_imports_the_app() -> None:
                 continue
             assert not any(n == "lightning_mics.app" or n.startswith("lightning_mics.app.") for n in names), (
                 f"{path.name}:{node.lineno} imports the app: {names}")
+
+
+_PROBE = '''
+import atexit, json, os
+
+def _gloo_threads_at_exit():  # registered before anything else, so it runs after every other atexit handler
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{tid}/comm").read().strip())
+        except OSError:
+            pass
+    path = os.path.join(os.environ["GLOO_PROBE_DIR"], f"{os.getpid()}.json")
+    with open(path, "w") as f:
+        json.dump({"local_rank": os.environ.get("LOCAL_RANK", "0"), "threads": [n for n in names if "gloo" in n]}, f)
+
+atexit.register(_gloo_threads_at_exit)
+'''
+
+
+@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
+def test_every_rank_ends_with_its_gloo_threads_joined(tmp_path: Path, sweep: bool) -> None:
+    """[Note: every rank releases its groups]: a gloo worker thread still alive when the interpreter finalizes can
+    abort the rank (-6), and Lightning's launcher then kills the job. Every rank of every job -- DDP's too, which
+    leaves its group alive -- must have joined its gloo threads by the end of its last atexit handler (a probe
+    loaded through ``sitecustomize`` before the job records them)."""
+    probe_dir = tmp_path / "probe"
+    probe_dir.mkdir()
+    (probe_dir / "sitecustomize.py").write_text(_PROBE)
+    env = app_env()
+    env["PYTHONPATH"] = f"{probe_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
+    env["GLOO_PROBE_DIR"] = str(probe_dir)
+    steps = ["trainer.max_steps=4", "trainer.val_check_interval=2", "callbacks.checkpoint=null", "report=false"]
+    args = (["-m", "strategy=ddp,mics", f"hydra.sweep.dir={tmp_path / 'sweep'}"] if sweep
+            else ["strategy=ddp", f"hydra.run.dir={tmp_path / 'run'}"])
+    proc = subprocess.run([*COMMAND, *args, *TINY, *steps], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    records = [json.loads(p.read_text()) for p in probe_dir.glob("*.json")]
+    # one process for rank 0 (both jobs of a sweep), one for each job's rank 1
+    assert sorted(r["local_rank"] for r in records) == (["0", "1", "1"] if sweep else ["0", "1"]), records
+    assert all(r["threads"] == [] for r in records), records

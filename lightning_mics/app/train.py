@@ -33,8 +33,17 @@ Lightning's ``_SubprocessScriptLauncher`` starts ranks 1..n-1 by re-running this
 and shares rank 0's output folder. That works for a single run only: under ``-m`` the children would re-run
 the whole sweep, and ``hydra.run.dir`` is not the sweep job's folder. So in a multirun job, rank 0 first
 rewrites ``sys.argv`` to this job's own overrides (no ``-m``) and points ``hydra.run.dir`` at the job's output
-folder; after the job it destroys the process group and restores the environment variables the launcher set
+folder; after the job it releases the job's process groups and restores the environment variables the launcher set
 (``LOCAL_RANK`` left behind would make the next job believe its processes were launched externally).
+
+[Note: every rank releases its groups]
+A process that exits with a gloo group alive can abort in the interpreter's finalization (status -6, [Note: groups
+at exit] in ``topology.py``). The MiCS strategy guards its own ranks; the app guards every rank of every strategy
+it runs, DDP included, because an abort there is fatal to the job: Lightning's launcher watches ranks 1..n-1 from
+rank 0 and, when one exits with a non-zero status, kills every rank, rank 0 too. A job that trained to the end then
+fails, and under ``-m`` the next job's rank 1, already started, waits for a rank 0 that is gone (a fresh-clone CI
+run of the DDP-and-MiCS sweep hung that way after a DDP rank 1 printed "terminate called"). So ``_run`` registers
+the release at exit on every rank, and rank 0 of a multirun job releases the job's groups before the next job.
 """
 
 from __future__ import annotations
@@ -45,7 +54,6 @@ import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
@@ -54,6 +62,7 @@ from omegaconf import DictConfig, open_dict, read_write
 from lightning_mics.app import schema
 from lightning_mics.app.data import CorpusError
 from lightning_mics.app.schema import UsageError
+from lightning_mics.topology import release_all_groups, release_groups_at_exit
 
 # The configs as a Python package (conf/ mapped to lightning_mics.app.conf by pyproject.toml).
 CONF_MODULE = "lightning_mics.app.conf"
@@ -183,6 +192,7 @@ def _run(cfg: DictConfig) -> None:
     """The Hydra task: one job, on every rank. Exits with 130 when Ctrl-C stopped it (a sweep stops there too)."""
     launched_here = "LOCAL_RANK" not in os.environ  # rank 0 of this job (ranks 1.. are its children)
     env_before = dict(os.environ)
+    release_groups_at_exit()  # [Note: every rank releases its groups]
     _route_lightning_logs()
     if launched_here:
         _prepare_multirun_job()
@@ -190,8 +200,7 @@ def _run(cfg: DictConfig) -> None:
         _, interrupted = train(cfg)
     finally:
         if launched_here and HydraConfig.get().mode == RunMode.MULTIRUN:
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
-                torch.distributed.destroy_process_group()
+            release_all_groups()
             os.environ.clear()
             os.environ.update(env_before)
     if interrupted:
