@@ -277,8 +277,7 @@ def test_every_rank_ends_with_its_gloo_threads_joined(tmp_path: Path, sweep: boo
     steps = ["trainer.max_steps=4", "trainer.val_check_interval=2", "callbacks.checkpoint=null", "report=false"]
     args = (["-m", "strategy=ddp,mics", f"hydra.sweep.dir={tmp_path / 'sweep'}"] if sweep
             else ["strategy=ddp", f"hydra.run.dir={tmp_path / 'run'}"])
-    proc = subprocess.run([*COMMAND, *args, *TINY, *steps], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = _run([*args, *TINY, *steps], cwd=tmp_path, timeout=240, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = [json.loads(p.read_text()) for p in probe_dir.glob("*.json")]
     # one process for rank 0 (both jobs of a sweep), one for each job's rank 1

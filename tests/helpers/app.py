@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from tests.helpers.launch import start_module
 
@@ -30,8 +31,20 @@ def app_env() -> Dict[str, str]:
     return env
 
 
-def run_app(args: List[str], cwd: Path, timeout: float = 150) -> subprocess.CompletedProcess:
-    return subprocess.run([*COMMAND, *args], cwd=cwd, env=app_env(), capture_output=True, text=True, timeout=timeout)
+def run_app(args: List[str], cwd: Path, timeout: float = 150,
+            env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """The job in a session of its own, its output captured. On timeout the whole session is killed, so a rank
+    that outlives rank 0 (blocked on a peer that is gone) neither holds the output pipes open nor lingers into
+    the next test; the TimeoutExpired carries what the job printed."""
+    proc = subprocess.Popen([*COMMAND, *args], cwd=cwd, env=env or app_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, output=out, stderr=err) from e
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def run_app_forked(args: List[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
