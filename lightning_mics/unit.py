@@ -280,8 +280,13 @@ class Unit:
         self.state = ShardedState.GATHERED
         self.is_prefetched = False
 
+    @property
+    def _int8_gather(self) -> bool:
+        """Whether the gather's first hop carries int8 blocks ([Note: quantized traffic] in config.py)."""
+        return self.nodes is not None and self.quantize.allgather
+
     def _all_gather(self, async_op: bool) -> C.AllGatherResult:
-        if self.nodes is not None and self.quantize.allgather:  # [Note: quantized traffic] in config.py
+        if self._int8_gather:
             return Q.quantized_all_gather_two_hop(self.shard_flat, self.nodes, self.quantize.block_size,
                                                   dtype=self.param_dtype, async_op=async_op, log=self.log,
                                                   kernels=self.kernels)
@@ -347,7 +352,7 @@ class Unit:
         if self.state is not ShardedState.GATHERED or not self.params:
             return
         with torch.no_grad():
-            if self.nodes is not None and self.quantize.allgather:  # as the int8 gather delivered the shard
+            if self._int8_gather:  # as the int8 gather delivered the shard
                 gathered = Q.round_trip(self.shard_flat, self.quantize.block_size, self.param_dtype, self.kernels)
             else:
                 gathered = self.shard_flat.to(self.param_dtype)  # the master rounded, if lower
