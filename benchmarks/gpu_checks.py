@@ -11,6 +11,9 @@ GPT in fp32, so "the same arithmetic" reads as a difference of 0 rather than as 
 - ``fp16`` / ``fp16_plain``: ``L.Fabric(precision="16-mixed")`` under MiCS (sharded loss scaling) against a plain
   loop with ``torch.autocast(float16)`` and ``torch.amp.GradScaler``; step 2's loss is multiplied by 1e30, so
   its fp16 gradients overflow and both must skip that step and halve the scale;
+- ``zero1``: the optimizer-state-only layout (``shard_optimizer_state``, s = 1) on one process: the
+  root unit pinned (kept gathered), full gradients accumulated, the optimizer stepping its rows and the
+  refresh after the step making the parameters whole ([Note: optimizer-state-only sharding] in gradients.py);
 - ``ac``, ``ac_offload``: MiCS's activation checkpointing per block, and in groups of 2 with the saved inputs
   offloaded to pinned host memory on a side stream (activations.py);
 - ``compile_ac``: the model compiled whole before ``fabric.setup`` (litgpt's pattern) with the grouped,
@@ -56,6 +59,7 @@ CASES = {  # name: (processes, MiCS options, precision, compile)
     "compile_plain": (1, None, "32-true", True),
     "fp16": (1, {}, "16-mixed", False),
     "mics": (1, {}, "32-true", False),
+    "zero1": (1, {"shard_optimizer_state": True}, "32-true", False),
     "ac": (1, {"activation_checkpointing": [BLOCK]}, "32-true", False),
     "ac_offload": (1, {"activation_checkpointing": [BLOCK], "checkpoint_group_size": 2,
                        "activation_offload": True}, "32-true", False),
@@ -66,7 +70,7 @@ CASES = {  # name: (processes, MiCS options, precision, compile)
     "two_torch": (2, {"sharded_data_parallel_degree": 2, "hierarchical_allgather": False,
                       "param_persistence_threshold": 0, "kernels": "torch"}, "32-true", False),
 }
-SIBLING = {"ac": "mics", "ac_offload": "ac", "compile_ac": "compile_plain", "two_triton": "mics",
+SIBLING = {"zero1": "mics", "ac": "mics", "ac_offload": "ac", "compile_ac": "compile_plain", "two_triton": "mics",
            "two_torch": "two_triton"}  # the case each is also compared with
 COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_reduce")
 SPEED = {"speed_none": {}, "speed_ac": {"activation_checkpointing": [BLOCK]},

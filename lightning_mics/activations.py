@@ -15,18 +15,18 @@ blocks instead of one per block (the seed: "grouping two or more layers together
 memory efficient"), at the price of k blocks' gathered parameters alive while the group is replayed.
 
 [Note: activation offload]
-With ``activation_offload``, the checkpoint keeps a host copy of each segment's inputs instead of the inputs
-(on CUDA: pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay
-moves them back. A hook on the group's output starts that copy back on the side stream when the output's
-gradient is ready, which is when the blocks after the group have finished their backward, just before the
-replay needs it. The host copies are held by that hook and the replay alone, not by the segment, so they go with
-the graph after backward instead of staying (pinned) through the optimizer step, validation and saves until the
-next forward. On one H200 (GPT-2 124M, bf16-mixed, groups of 2; benchmarks/RESULTS.md, "the CUDA paths the CPU
-suite cannot take") each group's copy takes 0.46 ms each way (25 MB), 2.8 ms per step per direction; that step is
-bound by the host, and its time moves more from process to process (grouping alone 76-114 ms) than offload moves
-it. Starting each copy back one group earlier, and copying on the compute stream instead of a side stream, were
-tried there; neither stood out of that spread, so neither is done. On CPU the host copy is a plain copy: the same
-code path, no memory saved (the device is the host).
+With ``activation_offload``, the checkpoint keeps a host copy of each segment's inputs instead of the inputs (on CUDA:
+pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay moves them back. A
+hook on the group's output starts that copy back on the side stream when the output's gradient is ready, which is when
+the blocks after the group have finished their backward, just before the replay needs it. The host copies are held by
+that hook and the replay alone, not by the segment, so they go with the graph after backward instead of staying (pinned)
+through the optimizer step, validation and saves until the next forward. On one H200 (GPT-2 124M, bf16-mixed, groups of
+2; benchmarks/RESULTS.md, "the CUDA paths the CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB),
+2.8 ms per step per direction. At 8 sequences that step is bound by the host, and its time moves more from process to
+process (grouping alone 76-114 ms) than offload moves it; starting each copy back one group earlier, and copying on the
+compute stream instead of a side stream, were tried there and neither stood out of that spread, so neither is done. At
+32 sequences the GPU sets the step, and offload cost 0.8% of it (median of three rounds, inside their spread). On CPU
+the host copy is a plain copy: the same code path, no memory saved (the device is the host).
 
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
