@@ -168,12 +168,13 @@ def _names(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[int, 
 def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None, settle: bool = True) -> Dict[str, Any]:
     """The module's state dict for a sharded save: the DTensor shards themselves (no copy). A unit that happens to
     be gathered (a save from inside a step) contributes its fp32 master shards, never the gathered param_dtype
-    tensors the module holds at that moment. ``settle``: the optimizer's rows written or stepped since the
-    replicas last agreed on them are exchanged first (collective); not once a load has written the chunks."""
+    tensors the module holds at that moment. ``settle``: what user code wrote into a gathered unit's parameters is
+    taken into the masters, and the optimizer's rows written or stepped since the replicas last agreed on them are
+    exchanged first (collective); not once a load has written the chunks."""
     sd = get_model_state_dict(module)
     if engine is not None:
-        if settle:  # the other replicas' rows are in ([Note: rows between steps] in optimizer_rows.py)
-            engine.settle_rows()
+        if settle:  # [Note: writes between steps] in unit.py, [Note: rows between steps] in optimizer_rows.py
+            engine.settle_masters()
         # the chunks as saved without optimizer rows over replicas (``held``), so checkpoints do not depend on it
         held = {id(q): p.held for u in engine.units for p in u.all_params() for q in (p.full, p.sharded)}
         for name, t in module.state_dict(keep_vars=True).items():

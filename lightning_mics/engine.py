@@ -141,16 +141,18 @@ class MiCSEngine:
         self.schedule.exchange_rows()
         self.schedule.quiesce(pinned)
 
-    def settle_rows(self) -> None:
-        """Every unit's chunks as the replicas agree on them ([Note: rows between steps] in optimizer_rows.py):
-        before they are saved or loaded. Collective over the replica group."""
+    def settle_masters(self) -> None:
+        """Every unit's masters as the module holds them ([Note: writes between steps] in unit.py) and its chunks
+        as the replicas agree on them ([Note: rows between steps] in optimizer_rows.py): before they are saved.
+        Collective over the replica group."""
+        self.schedule.take_writes()
         self.schedule.exchange_rows()
         for unit in self.units:
             unit.settle_rows()
 
     def before_optimizer_step(self) -> None:
-        """Pre-step hook of every optimizer ([``Schedule.before_optimizer_step``])."""
-        self.schedule.before_optimizer_step()
+        """Pre-step hook of every optimizer: what user code wrote, into the masters ([``Schedule.take_writes``])."""
+        self.schedule.take_writes()
 
     def after_optimizer_step(self) -> None:
         """Post-step hook of every optimizer ([``Schedule.after_optimizer_step``])."""
@@ -175,7 +177,7 @@ class MiCSEngine:
         """Removes the hooks and puts full, plain parameters (master dtype) back into the modules, unit by
         unit. Collective. Returns ``{id(DTensor parameter): plain parameter}`` for re-pointing optimizers."""
         self.remove_hooks()
-        self.settle_rows()
+        self.settle_masters()
         return full_state.restore_module(self.units)
 
     def remove_hooks(self) -> None:

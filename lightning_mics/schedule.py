@@ -181,8 +181,9 @@ class Schedule:
         ([Note: rows between steps] in optimizer_rows.py). Collective over the replica group."""
         exchange([u.optimizer_rows for u in self.units if u.optimizer_rows is not None])
 
-    def before_optimizer_step(self) -> None:
-        """Pre-step hook of every optimizer: [Note: writes between steps] in unit.py."""
+    def take_writes(self) -> None:
+        """Every gathered unit's plain parameters into the masters where user code wrote them, before the masters
+        are read: the optimizers' pre-step hook, a sharded save ([Note: writes between steps] in unit.py)."""
         for unit in self.units:
             unit.take_writes()
 

@@ -326,20 +326,23 @@ class Unit:
     # [Note: writes between steps]
     # A unit that stays gathered while user code runs lends it plain parameters (``full_flat``), not the masters the
     # optimizer steps (``shard_flat``): a pinned unit between steps ([Note: optimizer-state-only sharding] in
-    # gradients.py), whose refresh after the next step overwrites them from the masters, and a unit kept gathered
-    # after a pass (``exposed``: the root between the micro-batches of a window, [Note: keep for backward] in
-    # schedule.py), whose release frees them. A write to them (a clamp after the step or after a micro-batch,
-    # weights swapped in for validation and back) would be lost: before the clamp between micro-batches was taken,
-    # it ended 0.0094 from DDP on 4 ranks at s = 2. So before the masters are read (the optimizers' pre-step hook,
-    # which Lightning runs before the closure's forward), when a pass next uses a kept unit (its forward or its
-    # backward begins: before its reduce-scatter may stage in the full storage) and before the plain parameters are
+    # gradients.py), whose refresh after the next step overwrites them from the masters, and a unit kept gathered after
+    # a pass (``exposed``: the root between the micro-batches of a window, [Note: keep for backward] in schedule.py),
+    # whose release frees them. A write to them (a clamp after the step or after a micro-batch, weights swapped in for
+    # validation and back) would be lost: before the clamp between micro-batches was taken, it ended 0.0094 from DDP on
+    # 4 ranks at s = 2. So before the masters are read (the optimizers' pre-step hook, which Lightning runs before the
+    # closure's forward; a sharded save, which saves the masters: before, a save right after a clamp held the unclamped
+    # weights, 0.034 from DDP's checkpoint under ZeRO-1 on 2 ranks), when a pass next uses a kept unit (its forward or
+    # its backward begins: before its reduce-scatter may stage in the full storage) and before the plain parameters are
     # freed otherwise (a release) each rank takes its own rows of them (the optimizer's) into its masters where they
     # differ from what its gather delivered (the master rounded to param_dtype, or its int8 round trip with
-    # quantize_allgather): the elements left alone keep the master's bits. Every rank of a shard group holds the
-    # same plain parameters and takes its own rows, so the masters agree with them everywhere (with rows over
-    # replicas once the rows have crossed). A pinned unit is never marked exposed: its writes are taken only when the
-    # masters are read, since a write undone before then (weights swapped in for validation and back) would
-    # otherwise round the masters to the param_dtype copies it restores (0.013 from DDP under bf16-mixed).
+    # quantize_allgather): the elements left alone keep the master's bits. Every rank of a shard group holds the same
+    # plain parameters and takes its own rows, so the masters agree with them everywhere (with rows over replicas once
+    # the rows have crossed). A pinned unit is never marked exposed: its writes are taken only when the masters are
+    # read, since a write undone before then (weights swapped in for validation and back) would otherwise round the
+    # masters to the param_dtype copies it restores (0.013 from DDP under bf16-mixed). A save made while such a write is
+    # in place (an average swapped in) saves it, as DDP's does; under bf16-mixed the copies restored after it then round
+    # those masters at the next step.
     def take_exposed(self) -> None:
         """A pass uses a unit kept gathered since the last one: what user code wrote in between, into the masters."""
         if self.exposed:

@@ -32,7 +32,8 @@ LAYOUTS = [("zero1", 2), ("zero1", 4), ("mics_os", 4), ("mics", 4)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return CaseRuns(SCRIPT, tmp_path_factory, lambda kind: ["clamp", "swap"] + (["bits"] if kind == "zero1" else [])
+    return CaseRuns(SCRIPT, tmp_path_factory, lambda kind: ["clamp", "clamp_save", "swap"]
+                    + (["bits"] if kind == "zero1" else [])
                     + ([] if kind.startswith("mics_os_q8") else ["read", "swap_bf16"]))
 
 
@@ -49,6 +50,17 @@ def test_a_clamp_after_every_step_equals_ddp(runs, kind, world):
     assert max(p.abs().max().item() for p in ref["params"].values()) <= 0.05 + 1e-7  # clamped (in float32)
     assert max_diff(got["params"], ref["params"]) <= 1e-6
     assert same_on_every_rank(got)
+
+
+@pytest.mark.parametrize("kind,world", LAYOUTS)
+def test_a_checkpoint_saved_right_after_a_write_holds_it(runs, kind, world):
+    """The clamp, then ``trainer.save_checkpoint`` in the same hook, before any step reads the masters: the
+    checkpoint holds what the module held at the save, as DDP's does."""
+    got, ref = runs.load(kind, world, "clamp_save"), runs.load("ddp", world, "clamp_save")
+    assert max(p.abs().max().item() for p in ref["saved"].values()) <= 0.05 + 1e-7
+    assert max_diff(ref["saved"], ref["at_save"]) == 0.0
+    assert max_diff(got["at_save"], ref["at_save"]) <= 1e-6
+    assert max_diff(got["saved"], ref["saved"]) <= 1e-6
 
 
 @pytest.mark.parametrize("kind,world", LAYOUTS)
@@ -126,3 +138,4 @@ def test_fabric_loop_writes_between_steps_equal_one_plain_process(tmp_path, kind
     assert r["n"] == 15 and r["clamped"] and r["ranks_alike"], r
     assert len(r["evals"]) == 3 and r["max_eval_diff"] <= 1e-6, r
     assert r["max_param_diff"] <= 1e-6, r
+    assert r["saved_n"] == 15 and r["max_saved_diff"] <= 1e-6, r  # the save right after the clamp holds it

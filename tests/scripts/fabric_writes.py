@@ -3,15 +3,14 @@ process on the same global batches, the union of the ranks' micro-batches).
 
     python fabric_writes.py --out DIR --kind mics|mics_os|zero1
 
-compat.py's Net, SGD with momentum, accumulation 2 under ``no_backward_sync``; after every micro-batch every
-parameter is scaled by 0.99 (a decay by hand: also between the micro-batches of a window), after every step
-clamped to [-0.05, 0.05] (WGAN's weight clipping); after every step a running average of the parameters is updated
-(read), and after every second step it is swapped in for an evaluation forward under ``no_grad`` and swapped out
-again. Rank 0 writes
-``result.json``: the largest difference to the reference's parameters and evaluation losses, and whether every
-rank ended with the same parameters. Before the optimizer is built, a forward with grad and no backward (a shape
-probe) leaves the root unit gathered, so ``model.parameters()`` gives its plain parameters (``point_at_shards`` in
-lightning_mics/frontend.py).
+compat.py's Net, SGD with momentum, accumulation 2 under ``no_backward_sync``; after every micro-batch every parameter
+is scaled by 0.99 (a decay by hand: also between the micro-batches of a window), after every step clamped to [-0.05,
+0.05] (WGAN's weight clipping); after every step a running average of the parameters is updated (read), and after every
+second step it is swapped in for an evaluation forward under ``no_grad`` and swapped out again; right after the clamp of
+step 2 the model is saved (``fabric.save``), before any step reads the masters. Rank 0 writes ``result.json``: the
+largest difference to the reference's parameters and evaluation losses, and whether every rank ended with the same
+parameters. Before the optimizer is built, a forward with grad and no backward (a shape probe) leaves the root unit
+gathered, so ``model.parameters()`` gives its plain parameters (``point_at_shards`` in lightning_mics/frontend.py).
 """
 
 import argparse
@@ -29,17 +28,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 
+from lightning_mics import consolidate  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.scripts.compat import BATCH, Net, classification_data  # noqa: E402
 
-STEPS, ACCUM, LIMIT, DECAY = 6, 2, 0.05, 0.99
+STEPS, ACCUM, LIMIT, DECAY, SAVE_AT = 6, 2, 0.05, 0.99, 2
 KINDS = {"mics": dict(sharded_data_parallel_degree=2),  # [Note: writes between steps] in unit.py: the kept root
          "mics_os": dict(sharded_data_parallel_degree=2, shard_optimizer_state=True),  # [Note: rows between steps]
          "zero1": dict(sharded_data_parallel_degree=1, shard_optimizer_state=True)}
 
 
-def train(model, opt, batches, forward, no_sync, average_eval):
-    """The loop both runs share: ``batches[step][m]`` is (idx, y) of this process."""
+def train(model, opt, batches, forward, no_sync, average_eval, save):
+    """The loop both runs share: ``batches[step][m]`` is (idx, y) of this process; ``save()`` right after the
+    clamp of step SAVE_AT, before any step reads the masters."""
     average, evals = None, []
     for step in range(STEPS):
         for m in range(ACCUM):
@@ -54,6 +55,9 @@ def train(model, opt, batches, forward, no_sync, average_eval):
         with torch.no_grad():
             for p in model.parameters():
                 p.data.clamp_(-LIMIT, LIMIT)
+        if step == SAVE_AT:
+            save()
+        with torch.no_grad():
             params = list(model.parameters())
             if average is None:
                 average = [p.detach().clone() for p in params]
@@ -92,7 +96,9 @@ def main():
         return float(fabric.all_reduce(loss.detach(), reduce_op="mean"))
 
     mine = [[(x[s, m, rank], y[s, m, rank]) for m in range(ACCUM)] for s in range(STEPS)]
-    evals = train(model, opt, mine, fabric.backward, lambda on: fabric.no_backward_sync(model, enabled=on), evaluate)
+    saved_at = Path(args.out) / "mid.ckpt"
+    evals = train(model, opt, mine, fabric.backward, lambda on: fabric.no_backward_sync(model, enabled=on), evaluate,
+                  lambda: fabric.save(saved_at, {"model": model}))
     state = fabric.strategy.get_module_state_dict(model.module)  # rank 0's, gathered from the masters
     everyone = [None] * world
     dist.all_gather_object(everyone, {n: p.detach().clone() for n, p in model.module.named_parameters()
@@ -112,14 +118,19 @@ def main():
         def __exit__(self, *exc):
             return False
 
+    snapshot = {}
     ref_evals = train(ref, ref_opt, union, lambda loss: loss.backward(), lambda on: Null(),
-                      lambda m: float(F.cross_entropy(m(ex), ey)))
+                      lambda m: float(F.cross_entropy(m(ex), ey)),
+                      lambda: snapshot.update({n: p.detach().clone() for n, p in ref.named_parameters()}))
+    mid = consolidate(saved_at)["model"]
     got = {n: t.float() for n, t in state.items() if n in dict(ref.named_parameters())}
     plain = [e for e in everyone if e is not None]
     result = {
         "n": len(got),
         "max_param_diff": max((got[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters()),
         "max_eval_diff": max(abs(a - b) for a, b in zip(evals, ref_evals)),
+        "saved_n": len([n for n in snapshot if n in mid]),
+        "max_saved_diff": max((mid[n].float() - p).abs().max().item() for n, p in snapshot.items()),
         "evals": evals, "ref_evals": ref_evals,
         "clamped": max(p.abs().max().item() for p in ref.parameters()) <= LIMIT + 1e-7,
         # plain parameters (zero1's whole copies) alike on every rank

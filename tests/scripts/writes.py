@@ -11,6 +11,8 @@
 
 - ``clamp``: WGAN's weight clipping, ``p.data.clamp_`` on every parameter after every step (in
   ``on_train_batch_end``), with accumulation 2 (so also between the micro-batches of a window);
+- ``clamp_save``: the clamp, and right after it, in the same hook, ``trainer.save_checkpoint`` once: the
+  checkpoint (consolidated: ``lightning_mics.consolidate``) must hold the clamped parameters;
 - ``swap``: weights kept as a running average (made at the first batch's end) swapped in for validation and back, as
   a hand-written EMA does: the validation loss and the trained parameters;
 - ``swap_bf16``: ``swap`` under ``bf16-mixed``;
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 
-from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics import MiCSStrategy, consolidate  # noqa: E402
 from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params, strategy_for  # noqa: E402
 from tests.scripts.compat import trainer_for  # noqa: E402
 
@@ -41,6 +43,17 @@ class Clamp(Base):
         with torch.no_grad():
             for p in self.parameters():
                 p.data.clamp_(-0.05, 0.05)
+
+
+class ClampSave(Clamp):
+    """The clamp, then a checkpoint saved in the same hook: before the next step reads the masters."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if self.trainer.global_step == 3:
+            self.trainer.save_checkpoint(self.path)
+            self.at_save = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # collective
+                            for n, p in self.named_parameters()}
 
 
 class Swap(Base):
@@ -106,6 +119,14 @@ def run_case(case, kind, world, rank, out):
         m = Clamp()
         trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy).fit(
             m, loader(ds, kind, world, rank))
+    elif case == "clamp_save":
+        m = ClampSave()
+        m.path = Path(out) / f"clamp_save_{kind}.ckpt"
+        trainer_for(kind, world, max_epochs=2, strategy=strategy).fit(m, loader(ds, kind, world, rank))
+        if rank == 0:  # a sharded checkpoint is a directory, read in one process with no process group
+            saved = (torch.load(m.path, weights_only=False) if m.path.is_file() else consolidate(m.path))["state_dict"]
+            result["saved"] = saved
+            result["at_save"] = m.at_save
     elif case in ("swap", "swap_bf16"):
         m = Swap()
         trainer = trainer_for(kind, world, max_epochs=2, limit_val_batches=2, strategy=strategy,
