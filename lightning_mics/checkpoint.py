@@ -56,7 +56,7 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
     unit by unit and key by key, so no rank holds more than one unit's worth of one state key beyond its shards;
     returns {} on ranks other than ``dst``.
     """
-    engine.quiesce()
+    engine.quiesce(pinned=False)  # the rows settled; a pinned unit stays (the state is the optimizer's own)
     rank = dist.get_rank()
     keep = dst is None or rank == dst
     tp = engine.topo.layout.tp_size > 1

@@ -141,6 +141,14 @@ class MiCSEngine:
         self.schedule.exchange_rows()
         self.schedule.quiesce(pinned)
 
+    def pin(self) -> None:
+        """The pinned units gathered now if released ([Note: optimizer-state-only sharding] in gradients.py): at
+        setup and after a load, so that user code sees the plain parameters from setup to the end of the run, as
+        under DDP, not DTensors until the first forward. Collective over the shard group."""
+        for unit in self.units:
+            if unit.pinned:
+                unit.finish_gather()
+
     def settle_masters(self) -> None:
         """Every unit's masters as the module holds them ([Note: writes between steps] in unit.py) and its chunks
         as the replicas agree on them ([Note: rows between steps] in optimizer_rows.py): before they are saved.
@@ -163,8 +171,10 @@ class MiCSEngine:
         self.grads.sync()
 
     def full_state_dict(self, dst: Optional[int] = 0) -> Dict[str, Tensor]:
-        """The module's full state dict on global rank ``dst`` ({} elsewhere; ``None``: every rank). Collective."""
-        self.quiesce()
+        """The module's full state dict on global rank ``dst`` ({} elsewhere; ``None``: every rank). Collective.
+        Read from the masters, a pinned unit stays gathered."""
+        self.settle_masters()
+        self.quiesce(pinned=False)
         return full_state.full_state_dict(self.units, self.topo, self.root, dst)
 
     def load_full_state_dict(self, state: Dict[str, Tensor], strict: bool = True) -> None:

@@ -143,6 +143,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         engine = F.shard(module, self.topology, options, self.root_device, optimizers)
         self._engines.append(engine)
         F.log_model_state(engine, self.global_rank, _log)
+        engine.pin()  # ZeRO-1: plain parameters from setup on; an optimizer built from them is pointed at the shards
         return module
 
     def _warn_flat(self, message: str) -> None:
@@ -229,7 +230,10 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        return fc.load(self, path, state, strict, weights_only)
+        remainder = fc.load(self, path, state, strict, weights_only)
+        for engine in self._engines:  # a load released ZeRO-1's pinned units: gathered again from the loaded masters
+            engine.pin()
+        return remainder
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
@@ -242,6 +246,9 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
         fc._load_module(module, state_dict, strict)
+        engine = F.engine_of(module)
+        if engine is not None:
+            engine.pin()
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> Dict[str, Any]:

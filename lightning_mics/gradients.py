@@ -4,14 +4,14 @@ reduce-scatter issue and finish, the window's accumulator, the replica all-reduc
 [Note: optimizer-state-only sharding]
 ``shard_optimizer_state=True`` with s = 1 (SageMaker's optimizer state sharding, ZeRO stage 1) is the same machinery
 with the placement spread over the whole data-parallel group: the layout's shard group is all W ranks, and one unit (the
-root) owns every parameter and is *pinned*: gathered at its first forward and kept, so parameters and gradients stay
-whole on every rank and no forward or backward gathers anything. Its full gradients accumulate locally over the
+root) owns every parameter and is *pinned*: gathered at setup (``MiCSEngine.pin``) and kept, so parameters and gradients
+stay whole on every rank and no forward or backward gathers anything. Its full gradients accumulate locally over the
 micro-batches of a window (moved into reduce_dtype accumulators at the end of each backward when param_dtype is lower,
 so bf16 gradients are summed in fp32 as the per-micro-batch reduce-scatter sums them otherwise); at the boundary they
 are reduce-scattered once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor shards, with 1/W of
-the optimizer state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. Only
-a full state dict, a load or the end of a run unpins (``quiesce``), and the next forward gathers again; a sharded save
-keeps it pinned and takes what user code wrote first ([Note: writes between steps] in unit.py).
+the optimizer state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. A
+save or a state dict keeps it pinned and takes what user code wrote first ([Note: writes between steps] in unit.py); a
+load releases it and the front end gathers it again from the loaded masters; only the end of a run unpins it.
 """
 
 from __future__ import annotations

@@ -201,6 +201,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         sc.route(self, trainer)
+        self.engine.pin()  # ZeRO-1: plain parameters from on_fit_start on, as under DDP
 
     def _engine_options(self) -> MiCSOptions:
         warn = None if self._warned_flat else self._warn_flat
@@ -342,6 +343,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @_outside_inference
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         sc.load_model_state_dict(self, checkpoint, strict)
+        if self._live_engine() is not None:
+            self.engine.pin()  # the load released ZeRO-1's pinned unit: gathered again from the loaded masters
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:

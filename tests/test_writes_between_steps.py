@@ -33,7 +33,7 @@ LAYOUTS = [("zero1", 2), ("zero1", 4), ("mics_os", 4), ("mics", 4)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return CaseRuns(SCRIPT, tmp_path_factory, lambda kind: ["clamp", "clamp_save", "swap"]
-                    + (["bits"] if kind == "zero1" else [])
+                    + (["bits", "start"] if kind == "zero1" else ["start"] if kind == "ddp" else [])
                     + ([] if kind.startswith("mics_os_q8") else ["read", "swap_bf16"]))
 
 
@@ -61,6 +61,18 @@ def test_a_checkpoint_saved_right_after_a_write_holds_it(runs, kind, world):
     assert max_diff(ref["saved"], ref["at_save"]) == 0.0
     assert max_diff(got["at_save"], ref["at_save"]) <= 1e-6
     assert max_diff(got["saved"], ref["saved"]) <= 1e-6
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero1_parameters_are_plain_in_every_hook_as_under_ddp(runs, world):
+    """ZeRO-1 gathers its pinned unit at setup and again after a load, not at the first forward: before, a
+    parameter kept at ``on_fit_start`` was a DTensor, and L2-SP (the distance from it, added to the loss in
+    ``training_step``) failed with DTensor's mixed-tensor error, and after a resume the hooks saw DTensors until
+    the first forward. Now the types are DDP's in every hook, fresh and resumed, and so are the parameters."""
+    got, ref = runs.load("zero1", world, "start"), runs.load("ddp", world, "start")
+    assert got["seen"] == ref["seen"] and got["seen_resumed"] == ref["seen_resumed"], (got["seen"], ref["seen"])
+    assert set(map(tuple, ref["seen"].values())) == {("Parameter",)} and len(ref["seen"]) == 5
+    assert max_diff(got["first"], ref["first"]) <= 1e-6 and max_diff(got["params"], ref["params"]) <= 1e-6
 
 
 @pytest.mark.parametrize("kind,world", LAYOUTS)
@@ -139,3 +151,4 @@ def test_fabric_loop_writes_between_steps_equal_one_plain_process(tmp_path, kind
     assert len(r["evals"]) == 3 and r["max_eval_diff"] <= 1e-6, r
     assert r["max_param_diff"] <= 1e-6, r
     assert r["saved_n"] == 15 and r["max_saved_diff"] <= 1e-6, r  # the save right after the clamp holds it
+    assert r["after_setup"] == (["Parameter"] if kind == "zero1" else ["DTensor"]), r

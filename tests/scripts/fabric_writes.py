@@ -88,6 +88,7 @@ def main():
     fabric.launch()
     torch.manual_seed(0)
     model = fabric.setup_module(Net())
+    after_setup = sorted({type(p).__name__ for p in model.parameters()})  # zero1: plain, as under DDP
     model(x[0, 0, rank])  # a probe: a forward with grad and no backward leaves the root unit gathered
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
 
@@ -133,6 +134,7 @@ def main():
         "max_saved_diff": max((mid[n].float() - p).abs().max().item() for n, p in snapshot.items()),
         "evals": evals, "ref_evals": ref_evals,
         "clamped": max(p.abs().max().item() for p in ref.parameters()) <= LIMIT + 1e-7,
+        "after_setup": after_setup,
         # plain parameters (zero1's whole copies) alike on every rank
         "ranks_alike": all(all(torch.equal(e[n], plain[0][n]) for n in plain[0]) for e in plain),
     }

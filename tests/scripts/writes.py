@@ -18,6 +18,9 @@
 - ``swap_bf16``: ``swap`` under ``bf16-mixed``;
 - ``read``: every parameter's norm, read in ``on_train_batch_end`` after every step (a DTensor's through
   ``full_tensor``);
+- ``start`` (zero1 and ddp): L2-SP, the distance from the weights kept at ``on_fit_start`` added to the loss in
+  ``training_step``, a fit of one epoch saving a checkpoint and a second fit resumed from it; with the types the
+  module's parameters have in the hooks (DDP's: plain in every one) and the parameters after each fit;
 - ``bits`` (zero1 only): under ``bf16-mixed`` with no write, taking the plain parameters back into the masters
   after every step leaves every master bit as it was ([Note: writes between steps] in lightning_mics/unit.py).
 """
@@ -54,6 +57,41 @@ class ClampSave(Clamp):
             self.trainer.save_checkpoint(self.path)
             self.at_save = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # collective
                             for n, p in self.named_parameters()}
+
+
+def kinds(module):
+    return sorted({type(p).__name__ for p in module.parameters()})
+
+
+class FromStart(Base):
+    """L2-SP: the weights kept at on_fit_start pull the parameters back in every training_step. A resumed fit
+    keeps them at on_train_start: Lightning restores a checkpoint before on_fit_start under DDP, after it under
+    the sharded strategies (``restore_checkpoint_after_setup``, as FSDP's), and before on_train_start under both."""
+
+    def on_fit_start(self):
+        self.start = [p.detach().clone() for p in self.parameters()]
+        self.seen = {"on_fit_start": kinds(self)}
+
+    def on_train_start(self):
+        self.seen["on_train_start"] = kinds(self)
+        if self.path is None:
+            self.start = [p.detach().clone() for p in self.parameters()]
+
+    def on_validation_start(self):
+        self.seen["on_validation_start"] = kinds(self)
+
+    def training_step(self, batch, batch_idx):
+        self.seen["training_step"] = kinds(self)
+        pull = sum(((p - p0) ** 2).sum() for p, p0 in zip(self.parameters(), self.start))
+        return self.loss(batch) + 0.5 * pull
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.loss(batch), sync_dist=True)
+
+    def on_train_epoch_end(self):
+        self.seen["on_train_epoch_end"] = kinds(self)
+        if self.path is not None:
+            self.trainer.save_checkpoint(self.path)
 
 
 class Swap(Base):
@@ -103,12 +141,17 @@ class Bits(Base):
             self.changed += int((unit.shard_flat.view(torch.int32) != before.view(torch.int32)).sum())
 
 
+def strategy_again(kind):
+    if kind == "zero1":
+        return MiCSStrategy(sharded_data_parallel_degree=1, shard_optimizer_state=True, param_persistence_threshold=0)
+    return strategy_for(kind)
+
+
 def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
     ds = classification_data(4 * world * BATCH)
     if kind == "zero1":
-        strategy = MiCSStrategy(sharded_data_parallel_degree=1, shard_optimizer_state=True,
-                                param_persistence_threshold=0)
+        strategy = strategy_again(kind)
     elif kind in ("mics_os_q8", "mics_os_q8_exact"):  # exact: one scale per element, int8 without rounding
         strategy = strategy_for("mics_os", quantize_gradients="error_feedback",
                                 quantization_block_size=1 if kind == "mics_os_q8_exact" else 2048)
@@ -139,6 +182,16 @@ def run_case(case, kind, world, rank, out):
         trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy).fit(
             m, loader(ds, kind, world, rank))
         result["norms"] = torch.stack(m.norms)
+    elif case == "start":
+        path = Path(out) / f"start_{kind}.ckpt"
+        m, m.path = FromStart(), path
+        data = loader(ds, kind, world, rank)
+        trainer_for(kind, world, max_epochs=1, limit_val_batches=1, strategy=strategy).fit(m, data, data)
+        result["seen"], result["first"] = m.seen, params(m)
+        again, again.path = FromStart(), None
+        trainer_for(kind, world, max_epochs=2, limit_val_batches=1, strategy=strategy_again(kind)).fit(
+            again, data, data, ckpt_path=path)
+        result["seen_resumed"], m = again.seen, again
     elif case == "bits":
         m = Bits()
         trainer_for(kind, world, max_steps=4, precision="bf16-mixed", strategy=strategy).fit(
