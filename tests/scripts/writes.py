@@ -141,22 +141,20 @@ class Bits(Base):
             self.changed += int((unit.shard_flat.view(torch.int32) != before.view(torch.int32)).sum())
 
 
-def strategy_again(kind):
+def strategy_of(kind):
+    """A fresh strategy of ``kind`` (one per fit)."""
     if kind == "zero1":
         return MiCSStrategy(sharded_data_parallel_degree=1, shard_optimizer_state=True, param_persistence_threshold=0)
+    if kind in ("mics_os_q8", "mics_os_q8_exact"):  # exact: one scale per element, int8 without rounding
+        return strategy_for("mics_os", quantize_gradients="error_feedback",
+                            quantization_block_size=1 if kind == "mics_os_q8_exact" else 2048)
     return strategy_for(kind)
 
 
 def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
     ds = classification_data(4 * world * BATCH)
-    if kind == "zero1":
-        strategy = strategy_again(kind)
-    elif kind in ("mics_os_q8", "mics_os_q8_exact"):  # exact: one scale per element, int8 without rounding
-        strategy = strategy_for("mics_os", quantize_gradients="error_feedback",
-                                quantization_block_size=1 if kind == "mics_os_q8_exact" else 2048)
-    else:
-        strategy = strategy_for(kind)
+    strategy = strategy_of(kind)
     result = {}
     if case == "clamp":
         m = Clamp()
@@ -167,8 +165,8 @@ def run_case(case, kind, world, rank, out):
         m.path = Path(out) / f"clamp_save_{kind}.ckpt"
         trainer_for(kind, world, max_epochs=2, strategy=strategy).fit(m, loader(ds, kind, world, rank))
         if rank == 0:  # a sharded checkpoint is a directory, read in one process with no process group
-            saved = (torch.load(m.path, weights_only=False) if m.path.is_file() else consolidate(m.path))["state_dict"]
-            result["saved"] = saved
+            result["saved"] = (torch.load(m.path, weights_only=False) if m.path.is_file()
+                               else consolidate(m.path))["state_dict"]
             result["at_save"] = m.at_save
     elif case in ("swap", "swap_bf16"):
         m = Swap()
@@ -189,7 +187,7 @@ def run_case(case, kind, world, rank, out):
         trainer_for(kind, world, max_epochs=1, limit_val_batches=1, strategy=strategy).fit(m, data, data)
         result["seen"], result["first"] = m.seen, params(m)
         again, again.path = FromStart(), None
-        trainer_for(kind, world, max_epochs=2, limit_val_batches=1, strategy=strategy_again(kind)).fit(
+        trainer_for(kind, world, max_epochs=2, limit_val_batches=1, strategy=strategy_of(kind)).fit(
             again, data, data, ckpt_path=path)
         result["seen_resumed"], m = again.seen, again
     elif case == "bits":
