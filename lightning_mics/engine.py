@@ -172,8 +172,9 @@ class MiCSEngine:
 
     def full_state_dict(self, dst: Optional[int] = 0) -> Dict[str, Tensor]:
         """The module's full state dict on global rank ``dst`` ({} elsewhere; ``None``: every rank). Collective.
-        Read from the masters, a pinned unit stays gathered."""
-        self.settle_masters()
+        Read from the masters, a pinned unit stays gathered: what user code wrote is taken first, then the rows
+        settle (quiesce's exchange) and the units not running are released."""
+        self.schedule.take_writes()
         self.quiesce(pinned=False)
         return full_state.full_state_dict(self.units, self.topo, self.root, dst)
 
