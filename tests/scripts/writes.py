@@ -13,6 +13,7 @@
   ``on_train_batch_end``), with accumulation 2 (so also between the micro-batches of a window);
 - ``clamp_save``: the clamp, and right after it, in the same hook, ``trainer.save_checkpoint`` once: the
   checkpoint (consolidated: ``lightning_mics.consolidate``) must hold the clamped parameters;
+  ``clamp_save_bf16``: the same under ``bf16-mixed``;
 - ``swap``: weights kept as a running average (made at the first batch's end) swapped in for validation and back, as
   a hand-written EMA does: the validation loss and the trained parameters;
 - ``swap_bf16``: ``swap`` under ``bf16-mixed``;
@@ -160,10 +161,12 @@ def run_case(case, kind, world, rank, out):
         m = Clamp()
         trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy).fit(
             m, loader(ds, kind, world, rank))
-    elif case == "clamp_save":
+    elif case in ("clamp_save", "clamp_save_bf16"):
         m = ClampSave()
-        m.path = Path(out) / f"clamp_save_{kind}.ckpt"
-        trainer_for(kind, world, max_epochs=2, strategy=strategy).fit(m, loader(ds, kind, world, rank))
+        m.path = Path(out) / f"{case}_{kind}.ckpt"
+        trainer_for(kind, world, max_epochs=2, strategy=strategy,
+                    precision="bf16-mixed" if case == "clamp_save_bf16" else "32-true").fit(
+            m, loader(ds, kind, world, rank))
         if rank == 0:  # a sharded checkpoint is a directory, read in one process with no process group
             result["saved"] = (torch.load(m.path, weights_only=False) if m.path.is_file()
                                else consolidate(m.path))["state_dict"]
