@@ -34,7 +34,7 @@ LAYOUTS = [("zero1", 2), ("zero1", 4), ("mics_os", 4), ("mics", 4)]
 def runs(tmp_path_factory):
     return CaseRuns(SCRIPT, tmp_path_factory, lambda kind: ["clamp", "clamp_save", "swap"]
                     + (["bits", "start"] if kind == "zero1" else ["start"] if kind == "ddp" else [])
-                    + ([] if kind.startswith("mics_os_q8") else ["read", "swap_bf16", "clamp_save_bf16"]))
+                    + ([] if kind.startswith("mics_os_q8") else ["read", "swap_bf16", "clamp_save_bf16", "penalty"]))
 
 
 def same_on_every_rank(got):
@@ -101,6 +101,17 @@ def test_norms_read_after_every_step_equal_ddp(runs, kind, world):
     got, ref = runs.load(kind, world, "read"), runs.load("ddp", world, "read")
     assert got["norms"].shape == ref["norms"].shape == (8, 15)  # 2 epochs x 4 batches, 15 parameters
     assert torch.allclose(got["norms"], ref["norms"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind,world", LAYOUTS)
+def test_a_penalty_over_the_parameters_in_training_step_equals_ddp(runs, kind, world):
+    """An L2 term over every parameter added to the loss in ``training_step``, outside the module's forward, written
+    as under FSDP2 (a DTensor parameter through ``full_tensor``; at s > 1 the root's are plain there, kept gathered
+    for backward): its gradient reaches the DTensors' ``.grad`` through DTensor's autograd and the engine adds the
+    reduced loss gradient to it, as DDP sums the two."""
+    got, ref = runs.load(kind, world, "penalty"), runs.load("ddp", world, "penalty")
+    assert max_diff(got["params"], ref["params"]) <= 1e-6
+    assert same_on_every_rank(got)
 
 
 @pytest.mark.parametrize("kind", ["zero1", "mics", "mics_os"])

@@ -7,10 +7,12 @@ compat.py's Net, SGD with momentum, accumulation 2 under ``no_backward_sync``; a
 is scaled by 0.99 (a decay by hand: also between the micro-batches of a window), after every step clamped to [-0.05,
 0.05] (WGAN's weight clipping); after every step a running average of the parameters is updated (read), and after every
 second step it is swapped in for an evaluation forward under ``no_grad`` and swapped out again; right after the clamp of
-step 2 the model is saved (``fabric.save``), before any step reads the masters. Rank 0 writes ``result.json``: the
-largest difference to the reference's parameters and evaluation losses, and whether every rank ended with the same
-parameters. Before the optimizer is built, a forward with grad and no backward (a shape probe) leaves the root unit
-gathered, so ``model.parameters()`` gives its plain parameters (``point_at_shards`` in lightning_mics/frontend.py).
+step 2 the model is saved (``fabric.save``), before any step reads the masters. The loss adds an L2 penalty over every
+parameter, computed outside the forward as under FSDP2 (a DTensor parameter through ``full_tensor``). Rank 0 writes
+``result.json``: the largest difference to the reference's parameters and evaluation losses, and whether every rank
+ended with the same parameters. Before the optimizer is built, a forward with grad and no backward (a shape probe)
+leaves the root unit gathered, so ``model.parameters()`` gives its plain parameters (``point_at_shards`` in
+lightning_mics/frontend.py).
 """
 
 import argparse
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -32,10 +35,14 @@ from lightning_mics import consolidate  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.scripts.compat import BATCH, Net, classification_data  # noqa: E402
 
-STEPS, ACCUM, LIMIT, DECAY, SAVE_AT = 6, 2, 0.05, 0.99, 2
+STEPS, ACCUM, LIMIT, DECAY, SAVE_AT, PENALTY = 6, 2, 0.05, 0.99, 2, 0.1
 KINDS = {"mics": dict(sharded_data_parallel_degree=2),  # [Note: writes between steps] in unit.py: the kept root
          "mics_os": dict(sharded_data_parallel_degree=2, shard_optimizer_state=True),  # [Note: rows between steps]
          "zero1": dict(sharded_data_parallel_degree=1, shard_optimizer_state=True)}
+
+
+def whole(p):
+    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def train(model, opt, batches, forward, no_sync, average_eval, save):
@@ -46,7 +53,8 @@ def train(model, opt, batches, forward, no_sync, average_eval, save):
         for m in range(ACCUM):
             idx, y = batches[step][m]
             with no_sync(m < ACCUM - 1):
-                forward(F.cross_entropy(model(idx), y) / ACCUM)
+                loss = F.cross_entropy(model(idx), y)
+                forward((loss + PENALTY * sum(whole(p).pow(2).sum() for p in model.parameters())) / ACCUM)
             with torch.no_grad():
                 for p in model.parameters():
                     p.data.mul_(DECAY)

@@ -17,6 +17,9 @@
 - ``swap``: weights kept as a running average (made at the first batch's end) swapped in for validation and back, as
   a hand-written EMA does: the validation loss and the trained parameters;
 - ``swap_bf16``: ``swap`` under ``bf16-mixed``;
+- ``penalty``: an L2 penalty over the parameters added to the loss in ``training_step``, outside the module's
+  forward, with accumulation 2, written as under FSDP2: a DTensor parameter through ``full_tensor`` (a collective
+  whose backward hands this rank's rows of the gradient to the DTensor's ``.grad``, where the engine adds its own);
 - ``read``: every parameter's norm, read in ``on_train_batch_end`` after every step (a DTensor's through
   ``full_tensor``);
 - ``start`` (zero1 and ddp): L2-SP, the distance from the weights kept at ``on_fit_start`` added to the loss in
@@ -42,6 +45,11 @@ from tests.scripts.compat import BATCH, Base, classification_data, loader, main,
 from tests.scripts.compat import trainer_for  # noqa: E402
 
 
+def whole(p):
+    """A parameter as one full tensor on every rank: a released unit's DTensor through ``full_tensor``."""
+    return p.full_tensor() if isinstance(p, DTensor) else p
+
+
 class Clamp(Base):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         with torch.no_grad():
@@ -56,8 +64,7 @@ class ClampSave(Clamp):
         super().on_train_batch_end(outputs, batch, batch_idx)
         if self.trainer.global_step == 3:
             self.trainer.save_checkpoint(self.path)
-            self.at_save = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()  # collective
-                            for n, p in self.named_parameters()}
+            self.at_save = {n: whole(p).detach().clone() for n, p in self.named_parameters()}  # collective
 
 
 def kinds(module):
@@ -120,14 +127,20 @@ class Swap(Base):
         self.log("val_loss", self.loss(batch), sync_dist=True)
 
 
+class Penalty(Base):
+    """At s > 1 the root's parameters are plain here (kept gathered for backward) and the other units' DTensors."""
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch) + 0.1 * sum(whole(p).pow(2).sum() for p in self.parameters())
+
+
 class Read(Base):
     """Every parameter's norm after every step, as a callback logging them reads it."""
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.norms = getattr(self, "norms", [])
         with torch.no_grad():
-            self.norms.append(torch.stack([(p.full_tensor() if isinstance(p, DTensor) else p).norm()
-                                           for p in self.parameters()]))
+            self.norms.append(torch.stack([whole(p).norm() for p in self.parameters()]))
 
 
 class Bits(Base):
@@ -178,11 +191,11 @@ def run_case(case, kind, world, rank, out):
         trainer.fit(m, loader(ds, kind, world, rank), loader(ds, kind, world, rank))
         result["val_loss"] = float(trainer.callback_metrics["val_loss"])
         result["dtypes"] = sorted({str(p.dtype) for p in m.parameters()})
-    elif case == "read":
-        m = Read()
+    elif case in ("read", "penalty"):
+        m = Read() if case == "read" else Penalty()
         trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy).fit(
             m, loader(ds, kind, world, rank))
-        result["norms"] = torch.stack(m.norms)
+        result["norms"] = torch.stack(m.norms) if case == "read" else None
     elif case == "start":
         path = Path(out) / f"start_{kind}.ckpt"
         m, m.path = FromStart(), path
