@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from lightning_mics import checkpoint_beside as beside
 from lightning_mics import checkpoint_files as files
 from lightning_mics.checkpoint_files import CheckpointError, set_element
 from lightning_mics.placement import as_dtensor, is_sharded, local
@@ -106,9 +107,8 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
                 v = as_dtensor(local(v), slot.tp_spec).full_tensor()  # a replicated parameter's tensor-parallel parts
             if keep:
                 out[k][name] = local(v).detach().cpu().clone() if isinstance(v, Tensor) else copy.deepcopy(v)
-    if not keep:
-        return {}
-    return {"state": {k: out[k] for k in sorted(sd["state"])}, "param_groups": copy.deepcopy(sd["param_groups"])}
+    groups = copy.deepcopy(sd["param_groups"]) if keep else None
+    return {"state": {k: out[k] for k in sorted(sd["state"])}, "param_groups": groups} if keep else {}
 
 
 @torch.no_grad()
@@ -159,10 +159,7 @@ def _named(module: nn.Module, engine: Optional[MiCSEngine] = None) -> List[tuple
 
 def _names(module: nn.Module, engine: Optional[MiCSEngine] = None) -> Dict[int, str]:
     """id(parameter) -> its name (the first one, for a parameter registered under several)."""
-    names: Dict[int, str] = {}
-    for n, p in _named(module, engine):
-        names.setdefault(id(p), n)
-    return names
+    return {id(p): n for n, p in reversed(_named(module, engine))}  # reversed: the first name written last
 
 
 def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None, settle: bool = True) -> Dict[str, Any]:
@@ -200,8 +197,7 @@ def apply_model_state(module: nn.Module, state: Dict[str, Any], engine: Optional
     rest = {}
     for k, v in state.items():
         t = target.get(k)
-        if isinstance(t, DTensor) and isinstance(v, DTensor) and t.placements == v.placements \
-                and t.shape == v.shape:
+        if isinstance(t, DTensor) and isinstance(v, DTensor) and (t.placements, t.shape) == (v.placements, v.shape):
             if local(t).data_ptr() != local(v).data_ptr():
                 local(t).copy_(local(v))
         else:
@@ -409,6 +405,7 @@ def consolidate(path: Any) -> Dict[str, Any]:
         raise CheckpointError(f"{path}: cannot be read: {type(err).__name__}: {err}") from err
     out = dict(meta)
     info = out.pop(files.MARKER)
+    kept = beside.put_back(out, state, skip=())  # [Note: DTensors beside the model]: their full tensors
     if (fabric := info.get("fabric")) is not None:  # written by fabric.save: each module and optimizer by key
         out.update({k: state.get(k, {}) for k in fabric["modules"]})
         out.update({k: _by_index(state.get(k, {})) for k in fabric["optimizers"]})
@@ -416,7 +413,8 @@ def consolidate(path: Any) -> Dict[str, Any]:
     out["state_dict"] = state.get("state_dict", {})
     if info.get("optimizers") is not None:
         out["optimizer_states"] = [_by_index(state.get(f"optimizer_{i}", {})) for i in range(info["optimizers"])]
-    out[files.MARKER] = files.marker("full", consolidated_from={k: v for k, v in info.items() if k != "version"})
+    out[files.MARKER] = files.marker("full", consolidated_from={k: v for k, v in info.items() if k != "version"},
+                                     beside=kept)
     return out
 
 

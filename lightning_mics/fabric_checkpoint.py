@@ -26,6 +26,7 @@ from lightning.fabric.utilities.types import _Stateful
 from torch.optim import Optimizer
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics import checkpoint_beside as beside
 from lightning_mics import checkpoint_files as files
 from lightning_mics import checkpoint_steps as steps
 from lightning_mics import feedback_state as feedback
@@ -94,11 +95,13 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
             tensors.update({k: ckpt.optimizer_state_by_name(owners[k][0], o, owners[k][1])
                             for k, o in optimizers.items()})
             tensors.update(feedback.entries(engines, strategy.global_rank))
+            tensors.update(beside.take(meta, skip=()))  # [Note: DTensors beside the model]
             meta[files.MARKER] = files.marker("sharded", fabric=info, world_size=strategy.world_size,
                                               shard_size=strategy.topology.layout.shard_size,
                                               error_feedback=feedback.layouts(engines))
             ckpt.write_sharded(tensors, meta, Path(path), token, coordinator=strategy.is_global_zero)
             return
+        beside.gather_full(meta, skip=())
         for k, m in modules.items():
             engine = engine_of(m)
             meta[k] = engine.full_state_dict(dst=0) if engine is not None else m.state_dict()
@@ -169,8 +172,10 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             engines = {k: e for k, (_, e) in mods.items()}
             residuals = feedback.targets(index, engines, meta[files.MARKER].get("error_feedback"),
                                          strategy.global_rank, path)
-            ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra=residuals)
+            kept = beside.targets(meta, strategy.topology.mesh, skip=(files.MARKER,))
+            ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra={**residuals, **kept})
             feedback.restore(engines, residuals)
+            beside.put_back(meta, kept, skip=(files.MARKER,))
             for m, e in mods.values():  # the shards were read in place; buffers and plain modules through this
                 ckpt.apply_model_state(m, ckpt.model_state(m, e, settle=False), e)
             remainder = dict(meta)
@@ -179,8 +184,8 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
         if k in remainder:
             if isinstance(v, _Stateful):
                 v.load_state_dict(remainder.pop(k))
-            else:
-                state[k] = remainder.pop(k)
+            else:  # a full file's tensors sliced back where the live state holds DTensors
+                state[k] = beside.like(v, remainder.pop(k))
     return remainder
 
 

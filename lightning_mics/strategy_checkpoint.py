@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.tensor import DTensor
 
 from lightning_mics import checkpoint as ckpt
+from lightning_mics import checkpoint_beside as beside
 from lightning_mics import checkpoint_files as files
 from lightning_mics import checkpoint_steps as steps
 from lightning_mics import feedback_state as feedback
@@ -92,9 +93,10 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
         layout = {"world_size": strategy.world_size, "shard_size": strategy._shard_size,
                   "error_feedback": feedback.layouts(engines)}
         ckpt.save_sharded(checkpoint, Path(path), token, coordinator=strategy.is_global_zero, layout=layout,
-                          extra=feedback.entries(engines, strategy.global_rank))
+                          extra={**feedback.entries(engines, strategy.global_rank), **beside.take(checkpoint)})
         return
-    checkpoint[files.MARKER] = files.marker("full")
+    kept = beside.gather_full(checkpoint)  # [Note: DTensors beside the model] in checkpoint_beside.py
+    checkpoint[files.MARKER] = files.marker("full", beside=kept)
     io = strategy.checkpoint_io
     steps.write_full(checkpoint, path, token, io, storage_options, strategy.is_global_zero)
 
@@ -123,15 +125,18 @@ def load_checkpoint(strategy: Strategy, checkpoint_path: Any, weights_only: Opti
     engines = {"model": engine}
     if full is not None:
         feedback.warn_full(engines, path)
+        beside.slice_back(full, (full.get(files.MARKER) or {}).get("beside") or [], strategy.topology.mesh)
         return full
     assert meta is not None and index is not None
     optimizers = _optimizers_to_restore(strategy, meta)
     module = strategy.lightning_module
     residuals = feedback.targets(index, engines, meta[files.MARKER].get("error_feedback"), strategy.global_rank,
                                  path)
+    kept = beside.targets(meta, strategy.topology.mesh)
     state = ckpt.load_sharded(path, index, module, optimizers, strict=module.strict_loading,
-                              weights_only=weights_only, engine=engine, extra=residuals)
+                              weights_only=weights_only, engine=engine, extra={**residuals, **kept})
     feedback.restore(engines, residuals)
+    beside.put_back(meta, kept)
     meta["state_dict"] = state["state_dict"]
     if meta[files.MARKER].get("optimizers") is not None:
         meta["optimizer_states"] = [state[f"optimizer_{i}"] for i in range(len(optimizers))]
