@@ -191,11 +191,17 @@ def slice_back(checkpoint: Dict[str, Any], records: List[Dict[str, Any]], mesh: 
 
 
 def like(template: Any, loaded: Any) -> Any:
-    """``loaded`` with a DTensor wherever the live ``template`` holds one and ``loaded`` a full tensor of its shape
-    (``fabric.load`` of a full file, which carries no marker)."""
+    """``loaded`` in the layout of the live ``template`` wherever that holds a DTensor: a full tensor of its shape
+    sliced (``fabric.load`` of a full file, which carries no marker), a DTensor of other placements redistributed
+    (collective, in the same order on every rank); where ``template`` holds a plain tensor, a DTensor gathered."""
+    if isinstance(template, DTensor) and isinstance(loaded, DTensor):
+        same = (loaded.device_mesh, tuple(loaded.placements)) == (template.device_mesh, tuple(template.placements))
+        return loaded if same else loaded.redistribute(template.device_mesh, template.placements)
     if isinstance(template, DTensor):
         ok = isinstance(loaded, Tensor) and tuple(loaded.shape) == tuple(template.shape)
         return _sliced(loaded, template.device_mesh, template.placements) if ok else loaded
+    if isinstance(template, Tensor) and isinstance(loaded, DTensor):
+        return loaded.full_tensor()
     if isinstance(template, dict) and isinstance(loaded, dict):
         out = copy.copy(loaded) if type(loaded) is not dict else {}
         for k, v in loaded.items():

@@ -22,7 +22,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging, WeightAveraging
+from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -38,6 +38,7 @@ from lightning_mics import frontend as F
 from lightning_mics import layer_sync
 from lightning_mics import reliability
 from lightning_mics import strategy_checkpoint as sc
+from lightning_mics import weight_averaging
 from lightning_mics.config import MiCSOptions, config_from, with_options_signature
 from lightning_mics.precision import to_mics_precision
 from lightning_mics.materialize import has_meta
@@ -47,9 +48,9 @@ from lightning_mics.sharding import resolve_classes
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 # callbacks that copy or re-register the module's parameters behind the engine: refused at setup
 _UNSUPPORTED_CALLBACKS = (
-    ((StochasticWeightAveraging, WeightAveraging),
-     "weight averaging: it averages the sharded parameters into a plain copy of the module made before sharding; "
-     "Lightning refuses SWA under FSDP and says sharded models do not work with WeightAveraging"),
+    (StochasticWeightAveraging, "it averages into a plain copy of the module made before sharding, with its own "
+                                "learning-rate schedule; Lightning refuses it under FSDP. WeightAveraging and "
+                                "EMAWeightAveraging average the shards"),
     (ModelPruning, "it replaces each pruned parameter with a '_orig' parameter and a mask, behind the engine that "
                    "holds the parameters, and ranks the weights over whole tensors the ranks hold in shards"),
 )
@@ -202,6 +203,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self.setup_precision_plugin()
         sc.route(self, trainer)
         self.engine.pin()  # ZeRO-1: plain parameters from on_fit_start on, as under DDP
+        if fitting:  # [Note: weight averaging over the shards] in weight_averaging.py
+            self._step_hooks.extend(weight_averaging.shard_averages(trainer, self.lightning_module, self.engine.units))
 
     def _engine_options(self) -> MiCSOptions:
         warn = None if self._warned_flat else self._warn_flat

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 import torch
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.tensor import DTensor
 
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import checkpoint_beside as beside
@@ -96,19 +95,20 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
                           extra={**feedback.entries(engines, strategy.global_rank), **beside.take(checkpoint)})
         return
     kept = beside.gather_full(checkpoint)  # [Note: DTensors beside the model] in checkpoint_beside.py
+    beside.gather_full(checkpoint, skip=[k for k in checkpoint if k != "state_dict"])  # an average's shards
     checkpoint[files.MARKER] = files.marker("full", beside=kept)
     io = strategy.checkpoint_io
     steps.write_full(checkpoint, path, token, io, storage_options, strategy.is_global_zero)
 
 
 def _as_sharded_state(strategy: Strategy, state_dict: Any) -> Dict[str, Any]:
-    """The state dict Lightning's dump handed over if it is the sharded one (keys and DTensor-ness match the
-    module on every rank, so every rank decides alike); otherwise (a dump that did not go through
-    ``checkpoint_model_state``) the module's shards, read afresh."""
+    """The state dict Lightning's dump handed over, in the module's sharded layout, if it has the module's keys
+    (what ``checkpoint_model_state`` gave, or ``WeightAveraging``'s average put in its place: under ZeRO-1 plain
+    copies, sliced here; [Note: weight averaging over the shards] in weight_averaging.py); otherwise (a dump that
+    did not go through ``checkpoint_model_state``) the module's shards, read afresh."""
     own = ckpt.model_state(strategy.lightning_module, strategy._live_engine())
-    if isinstance(state_dict, Mapping) and state_dict.keys() == own.keys() and all(
-            isinstance(state_dict[k], DTensor) == isinstance(v, DTensor) for k, v in own.items()):
-        return dict(state_dict)
+    if isinstance(state_dict, Mapping) and state_dict.keys() == own.keys():
+        return beside.like(own, dict(state_dict))
     return own
 
 
