@@ -35,6 +35,7 @@ def test_weight_averaging_equals_ddp_and_resumes_exactly(runs, kind, world, case
     assert max_diff(ref["saved"], ref["current"]) > 1e-2  # the two differ: the test tells them apart
     assert max_diff(got["resumed"], got["params"]) == 0.0  # the resumed fit is the uninterrupted one
     assert got["resumed_losses"] == got["losses"][1:]
+    assert abs(got["validated_after"] - ref["validated_after"]) <= tol * 10  # trainer.validate after fit
 
 
 @pytest.mark.parametrize("kind,world", LAYOUTS)

@@ -8,8 +8,8 @@ lightning_mics/weight_averaging.py), one case after another in one process (one 
   the callback), a checkpoint saved at the end of the first epoch, and a second fit resumed from it to the end. Rank 0
   saves the validation losses, the parameters after fit (the average, copied in by the callback), the checkpoint's
   ``state_dict`` (the average at the save) and ``current_model_state`` (the module's own), consolidated in one process,
-  and the resumed fit's losses and parameters; and what the average holds on this rank (its types, its elements).
-  ``mics_full``: MiCS at s = 2 with ``state_dict_type="full"``.
+  and the resumed fit's losses and parameters, and a ``trainer.validate`` after it; and what the average holds on this
+  rank (its types, its elements). ``mics_full``: MiCS at s = 2 with ``state_dict_type="full"``.
 """
 
 import sys
@@ -60,11 +60,12 @@ def run_case(case, kind, world, rank, out):
         trainer = trainer_for(base, world, max_epochs=3, limit_val_batches=2, strategy=strategy, callbacks=[callback],
                               precision="bf16-mixed" if case.endswith("_bf16") else "32-true")
         trainer.fit(m, loader(ds, base, world, rank), loader(ds, base, world, rank), ckpt_path=ckpt_path)
-        return callback
+        return trainer, callback
 
     first = Tracked()
     first.path = Path(out) / f"{case}_{kind}.ckpt"
-    average = [p.detach() for p in fit(first)._average_model.module.parameters()]
+    trainer, callback = fit(first)
+    average = [p.detach() for p in callback._average_model.module.parameters()]
     result = {"losses": first.losses, "params": params(first),
               "average_types": sorted({type(p).__name__ for p in average}),
               "average_held": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in average),
@@ -74,8 +75,9 @@ def run_case(case, kind, world, rank, out):
         result["saved"] = {k: saved["state_dict"][k].clone() for k in saved["state_dict"]}
         result["current"] = {k: saved["current_model_state"][k].clone() for k in saved["current_model_state"]}
     again = Tracked()
-    fit(again, first.path)
-    result.update(resumed_losses=again.losses, resumed=params(again))
+    trainer, _ = fit(again, first.path)
+    after = trainer.validate(again, loader(ds, base, world, rank), verbose=False)[0]["val_loss"]  # the average again
+    result.update(resumed_losses=again.losses, resumed=params(again), validated_after=after)
     return result
 
 
