@@ -40,6 +40,11 @@ def _weak_hook(fn: Callable, arg: Any = None) -> Callable[[Tensor], None]:
     return hook
 
 
+def _bits(t: Tensor) -> Tensor:
+    """``t``'s bits as integers of its width: a bit-for-bit compare."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 # [Note: unit lifecycle]
 # ``ShardedState``: SHARDED -> GATHERING (all-gather issued) -> GATHERED (copied out, full parameters in the
 # modules) -> SHARDED. ``TrainingState``: IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE.
@@ -355,18 +360,19 @@ class Unit:
         if self.state is not ShardedState.GATHERED or not self.params:
             return
         with torch.no_grad():
-            if self._int8_gather:  # as the int8 gather delivered the shard
-                gathered = Q.round_trip(self.shard_flat, self.quantize.block_size, self.param_dtype, self.kernels)
-            else:
-                gathered = self.shard_flat.to(self.param_dtype)  # the master rounded, if lower
+            # as the gather delivered the shard: the int8 round trip of the whole shard (its blocks span
+            # parameters), or each parameter's own rows rounded to param_dtype (only those: 1/r of a ZeRO-1 shard)
+            gathered = Q.round_trip(self.shard_flat, self.quantize.block_size, self.param_dtype, self.kernels) \
+                if self._int8_gather else self.shard_flat
             for sp, full in zip(self.params, self.full_views):
                 # the optimizer's rows: with rows over replicas the others cross in their exchange ([Note: rows
                 # between steps] in optimizer_rows.py), which with int8 deltas adds their change to the chunk
                 lo, hi = sp.rows.sub_lo, sp.rows.sub_hi
                 own, master = full[sp.rows.lo + lo:sp.rows.lo + hi], sp.stepped
                 if own.numel():
-                    before = OptimizerRows.chunk_of(gathered, sp)[lo:hi]
-                    master.copy_(torch.where(own != before, own.to(master.dtype), master))
+                    before = OptimizerRows.chunk_of(gathered, sp)[lo:hi].to(self.param_dtype)
+                    written = _bits(own) != _bits(before)  # bit for bit (and integer compares vectorize on CPU)
+                    master.copy_(torch.where(written, own.to(master.dtype), master))
 
     # -- the optimizer's rows over replicas ([Note: optimizer rows over replicas] in optimizer_rows.py) ----------
     def rows_written(self) -> None:
