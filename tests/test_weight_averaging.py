@@ -20,10 +20,11 @@ LAYOUTS = [("mics", 2), ("zero1", 2), ("mics_os", 4), ("mics_full", 4)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return CaseRuns(REPO / "tests" / "scripts" / "averaging.py", tmp_path_factory,
-                    lambda kind: ["ema", "swa"] + (["ema_bf16"] if kind in ("mics", "mics_os", "ddp") else []))
+                    lambda kind: ["ema", "swa", "ema_accum"]
+                    + (["ema_bf16"] if kind in ("mics", "mics_os", "ddp") else []))
 
 
-@pytest.mark.parametrize("case", ["ema", "swa"])
+@pytest.mark.parametrize("case", ["ema", "swa", "ema_accum"])
 @pytest.mark.parametrize("kind,world", LAYOUTS)
 def test_weight_averaging_equals_ddp_and_resumes_exactly(runs, kind, world, case):
     got, ref = runs.load(kind, world, case), runs.load("ddp", world, case)

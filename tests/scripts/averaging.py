@@ -1,15 +1,16 @@
 """Lightning's ``WeightAveraging`` callbacks under a strategy ([Note: weight averaging over the shards] in
 lightning_mics/weight_averaging.py), one case after another in one process (one rank; ``compat.py``'s ``main``):
 
-    python averaging.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp --cases ema,swa,ema_bf16
+    python averaging.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp --cases ema,swa,ema_bf16,ema_accum
 
 - ``ema``: ``EMAWeightAveraging(decay=0.8)``; ``swa``: ``WeightAveraging()`` (torch's equal average); each over 3 epochs
-  with AdamW (``ema_bf16``: under ``bf16-mixed``), validation after every epoch (on the average, swapped in and out by
-  the callback), a checkpoint saved at the end of the first epoch, and a second fit resumed from it to the end. Rank 0
-  saves the validation losses, the parameters after fit (the average, copied in by the callback), the checkpoint's
-  ``state_dict`` (the average at the save) and ``current_model_state`` (the module's own), consolidated in one process,
-  and the resumed fit's losses and parameters, and a ``trainer.validate`` after it; and what the average holds on this
-  rank (its types, its elements). ``mics_full``: MiCS at s = 2 with ``state_dict_type="full"``.
+  with AdamW (``ema_bf16``: under ``bf16-mixed``; ``ema_accum``: accumulation 2 and clipping by norm), validation after
+  every epoch (on the average, swapped in and out by the callback), a checkpoint saved at the end of the first epoch,
+  and a second fit resumed from it to the end. Rank 0 saves the validation losses, the parameters after fit (the
+  average, copied in by the callback), the checkpoint's ``state_dict`` (the average at the save) and
+  ``current_model_state`` (the module's own), consolidated in one process, and the resumed fit's losses and parameters,
+  and a ``trainer.validate`` after it; and what the average holds on this rank (its types, its elements). ``mics_full``:
+  MiCS at s = 2 with ``state_dict_type="full"``.
 """
 
 import sys
@@ -57,8 +58,9 @@ def run_case(case, kind, world, rank, out):
         if kind == "mics_kept":  # the default persistence threshold: small parameters kept whole, plain
             strategy = MiCSStrategy(sharded_data_parallel_degree=2)
         callback = EMAWeightAveraging(decay=0.8) if case.startswith("ema") else WeightAveraging()
+        extra = dict(accumulate_grad_batches=2, gradient_clip_val=0.5) if case.endswith("_accum") else {}
         trainer = trainer_for(base, world, max_epochs=3, limit_val_batches=2, strategy=strategy, callbacks=[callback],
-                              precision="bf16-mixed" if case.endswith("_bf16") else "32-true")
+                              precision="bf16-mixed" if case.endswith("_bf16") else "32-true", **extra)
         trainer.fit(m, loader(ds, base, world, rank), loader(ds, base, world, rank), ckpt_path=ckpt_path)
         return trainer, callback
 
