@@ -25,57 +25,50 @@ from tests.scripts.compat import BATCH, Base, classification_data, loader, main,
 from tests.scripts.writes import strategy_of  # noqa: E402
 
 
-class Lamb(torch.optim.Optimizer):
-    """LAMB written by hand, per parameter: a trust ratio from the whole parameter's and update's norms."""
+class ByHand(torch.optim.Optimizer):
+    """``step`` runs the closure (Lightning's), then ``update(group, p, state)`` for every parameter with a gradient."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    self.update(g, p, self.state[p])
+
+
+class Lamb(ByHand):
+    """LAMB: a trust ratio from the whole parameter's and the whole update's norms."""
+
     def __init__(self, params, lr=0.01, betas=(0.9, 0.999), eps=1e-6, wd=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, wd=wd))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    st["m"] = torch.zeros_like(p)
-                    st["v"] = torch.zeros_like(p)
-                st["step"] += 1
-                st["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
-                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                mh = st["m"] / (1 - b1 ** st["step"])
-                vh = st["v"] / (1 - b2 ** st["step"])
-                upd = mh / (vh.sqrt() + g["eps"]) + g["wd"] * p
-                wn, un = p.norm(), upd.norm()
-                trust = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
-                p.sub_(g["lr"] * trust * upd)
+    def update(self, g, p, st):
+        b1, b2 = g["betas"]
+        if not st:
+            st.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+        st["step"] += 1
+        st["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+        st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+        mh, vh = st["m"] / (1 - b1 ** st["step"]), st["v"] / (1 - b2 ** st["step"])
+        upd = mh / (vh.sqrt() + g["eps"]) + g["wd"] * p
+        wn, un = p.norm(), upd.norm()
+        trust = torch.where((wn > 0) & (un > 0), wn / un, torch.ones_like(wn))
+        p.sub_(g["lr"] * trust * upd)
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(ByHand):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.99)):
         super().__init__(params, dict(lr=lr, betas=betas))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        if closure is not None:
-            with torch.enable_grad():
-                closure()
-        for g in self.param_groups:
-            b1, b2 = g["betas"]
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state.setdefault(p, {})
-                if "m" not in st:
-                    st["m"] = torch.zeros_like(p)
-                c = st["m"].mul(b1).add(p.grad, alpha=1 - b1)
-                p.add_(torch.sign(c), alpha=-g["lr"])
-                st["m"].mul_(b2).add_(p.grad, alpha=1 - b2)
+    def update(self, g, p, st):
+        b1, b2 = g["betas"]
+        if not st:
+            st["m"] = torch.zeros_like(p)
+        p.add_(torch.sign(st["m"].mul(b1).add(p.grad, alpha=1 - b1)), alpha=-g["lr"])
+        st["m"].mul_(b2).add_(p.grad, alpha=1 - b2)
 
 
 class WithOptimizer(Base):
