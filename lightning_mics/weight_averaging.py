@@ -87,8 +87,8 @@ def shard_averages(trainer: "pl.Trainer", module: nn.Module, units: List[Any]) -
         raise ValueError(f"MiCSStrategy: {type(averaging_callbacks(trainer)[0]).__name__} with the optimizer-state-"
                          f"only layout (sharded_data_parallel_degree=1, shard_optimizer_state=True) under a precision "
                          f"whose parameters between steps are {lower[0]} copies of the fp32 masters: the callback "
-                         "swaps the average in and out through them and would round it. Allowed: precision "
-                         "'32-true' or a '-true' precision, or sharded_data_parallel_degree > 1.")
+                         "swaps the average in and out through them and would round it. Allowed: a '-true' "
+                         "precision ('32-true', 'bf16-true'), or sharded_data_parallel_degree > 1.")
     hooks = []
     for cb in averaging_callbacks(trainer):
         if cb._average_model is None:

@@ -110,7 +110,7 @@ CASES = [
     ("ema-zero1-bf16-mixed", SETUP, {"sharded_data_parallel_degree": 1, "shard_optimizer_state": True},
      ["--ema", "--precision", "bf16-mixed"],  # the average would be swapped through ZeRO-1's bf16 copies
      ["EMAWeightAveraging with the optimizer-state-only layout", "torch.bfloat16 copies of the fp32 masters",
-      "Allowed: precision '32-true'"]),
+      "Allowed: a '-true' precision ('32-true', 'bf16-true')"]),
     ("fused-sgd", SETUP, {}, ["--fused-sgd"],  # the user's optimizer: a fused kernel DTensor has no rule for
      ["SGD(fused=True) cannot step the sharded parameters", "aten._fused_sgd_", "Allowed: SGD(foreach=True)"]),
     ("torchrun-degree-not-dividing-world", TORCHRUN, {"sharded_data_parallel_degree": 4}, [],
