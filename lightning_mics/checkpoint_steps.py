@@ -36,6 +36,15 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def alike(obj: Any) -> bool:
+    """Whether every rank holds an equal ``obj`` (a short, picklable value). Collective."""
+    if not _distributed_is_initialized() or dist.get_world_size() == 1:
+        return True
+    every: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return all(o == every[0] for o in every)
+
+
 def agree(error: Optional[str], kind: Type[files.CheckpointError] = files.CheckpointError) -> None:
     """Every rank raises the same ``kind`` of CheckpointError if any rank found one ([Note: checks before
     collectives])."""

@@ -12,12 +12,14 @@ Loading reads either format whatever ``state_dict_type`` is; see checkpoint.py a
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 
 import torch
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mics import checkpoint as ckpt
 from lightning_mics import checkpoint_beside as beside
@@ -102,14 +104,23 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
 
 
 def _as_sharded_state(strategy: Strategy, state_dict: Any) -> Dict[str, Any]:
-    """The state dict Lightning's dump handed over, in the module's sharded layout, if it has the module's keys
-    (what ``checkpoint_model_state`` gave, or ``WeightAveraging``'s average put in its place: under ZeRO-1 plain
-    copies, sliced here; [Note: weight averaging over the shards] in weight_averaging.py); otherwise (a dump that
-    did not go through ``checkpoint_model_state``) the module's shards, read afresh."""
+    """The state dict Lightning's dump handed over, as the ``on_save_checkpoint`` hooks left it, for a sharded save,
+    as DDP saves it: an entry of the module's in the module's sharded layout (``checkpoint_model_state``'s shards,
+    or ``WeightAveraging``'s average in their place: under ZeRO-1 plain copies, sliced here; [Note: weight
+    averaging over the shards] in weight_averaging.py); an entry a hook removed stays out (a finetuning run saving
+    its trainable weights only) and one it added is saved as given. DCP needs the same names on every rank (the
+    hooks run on every rank); if the ranks disagree (a hook that edited on rank 0 alone), the module's shards are
+    saved instead, with a warning. Collective."""
     own = ckpt.model_state(strategy.lightning_module, strategy._live_engine())
-    if isinstance(state_dict, Mapping) and state_dict.keys() == own.keys():
-        return beside.like(own, dict(state_dict))
-    return own
+    names = hashlib.sha1("\n".join(sorted(map(str, state_dict))).encode()).hexdigest() \
+        if isinstance(state_dict, Mapping) else None
+    if not steps.alike(names) or names is None:
+        if names is not None:
+            rank_zero_warn("MiCSStrategy: the checkpoint's state_dict holds other names on some ranks than on rank "
+                           "0 (an on_save_checkpoint hook that edits it on one rank only); the module's shards are "
+                           "saved instead of the edited dict.")
+        return own
+    return {k: beside.like(own[k], v) if k in own else v for k, v in state_dict.items()}
 
 
 def load_checkpoint(strategy: Strategy, checkpoint_path: Any, weights_only: Optional[bool]) -> Dict[str, Any]:

@@ -21,7 +21,7 @@ LAYOUTS = [("mics", 2), ("mics_os", 4), ("mics_full", 4), ("zero1", 2)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return CaseRuns(SCRIPT, tmp_path_factory, lambda kind: ["fabric"] if kind.startswith("fabric_")
-                    else ["ema", "partial"] if kind == "mics" else ["ema"])
+                    else ["ema", "trainable", "partial"] if kind == "mics" else ["ema", "trainable"])
 
 
 @pytest.mark.parametrize("kind,world", LAYOUTS)
@@ -67,3 +67,15 @@ def test_a_partial_dtensor_beside_the_model_is_refused_on_every_rank(runs):
     got = runs.load("mics", 2, "partial")
     assert len(set(got["refused"])) == 1 and not got["written"], got
     assert "'sums/loss'" in got["refused"][0] and "Partial" in got["refused"][0], got["refused"][0]
+
+
+@pytest.mark.parametrize("kind,world", LAYOUTS)
+def test_the_state_dict_as_on_save_checkpoint_left_it_is_saved_as_under_ddp(runs, kind, world):
+    """A finetuning run that keeps only its trainable weights in the checkpoint (a frozen embedding deleted from
+    ``state_dict``) and adds an entry: the checkpoint holds DDP's names, and a fit resumed from it with
+    ``strict_loading = False`` equals DDP's. Before, the sharded save wrote the module's own shards whatever the
+    hook had done: the frozen weights in, the added entry out."""
+    got, ref = runs.load(kind, world, "trainable"), runs.load("ddp", world, "trainable")
+    assert "net.emb.weight" not in ref["names"] and "extra.scale" in ref["names"]
+    assert got["names"] == ref["names"]
+    assert max_diff(got["params"], ref["params"]) <= 1e-6 and max_diff(got["resumed"], ref["resumed"]) <= 1e-6

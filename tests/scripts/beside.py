@@ -10,6 +10,9 @@ another in one process (one rank; ``compat.py``'s ``main``):
   (gathered in ``on_train_end``), the EMA as the resumed fit read it (gathered in ``on_train_start``), the types
   the load gave back, and for a sharded checkpoint the EMA that ``consolidate`` reads in one process;
 - ``ema_from`` (Trainer): a fit resumed from the checkpoint at ``$BESIDE_FROM`` (another launch's, another layout);
+- ``trainable`` (Trainer): a finetuning run's ``on_save_checkpoint`` keeps only the trainable weights in
+  ``state_dict`` (the embedding, frozen, deleted) and adds an entry of its own; a second fit resumes from it with
+  ``strict_loading = False``. Rank 0 saves the names the checkpoint holds and the parameters after each fit;
 - ``partial`` (Trainer): an entry holding a ``Partial`` DTensor (a sum not yet reduced): the save raises the same
   ``ValueError`` on every rank, naming the entry, and the fit goes on to its end;
 - ``fabric`` (``fabric_<kind>``): the same EMA in a Fabric loop, ``fabric.save(path, {"model", "optimizer",
@@ -77,6 +80,28 @@ class EMA(Base):
         self.ema_end = gathered(self.ema)
 
 
+class Finetune(Base):
+    strict_loading = False
+    path = None
+
+    def __init__(self):
+        super().__init__()
+        self.net.emb.weight.requires_grad_(False)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.2, momentum=0.9)
+
+    def on_save_checkpoint(self, checkpoint):
+        sd = checkpoint["state_dict"]
+        for k in [k for k in sd if k.startswith("net.emb.")]:
+            del sd[k]
+        sd["extra.scale"] = torch.tensor([2.0])
+
+    def on_train_epoch_end(self):
+        if self.path is not None and self.current_epoch == 0:
+            self.trainer.save_checkpoint(self.path)
+
+
 class Unreduced(Base):
     def on_save_checkpoint(self, checkpoint):
         mesh = self.trainer.strategy.topology.mesh
@@ -97,6 +122,18 @@ def trainer_case(case, kind, world, rank, out):
         return strategy_for(base, state_dict_type="full") if kind.endswith("_full") else strategy_of(kind)
 
     result = {}
+    if case == "trainable":
+        first, path = Finetune(), Path(out) / f"trainable_{kind}.ckpt"
+        first.path = path
+        trainer_for(base, world, max_epochs=2, strategy=strategy()).fit(first, loader(ds, base, world, rank))
+        if rank == 0:
+            result["names"] = sorted((torch.load(path, weights_only=False) if kind == "ddp" else consolidate(path))
+                                     ["state_dict"])
+        L.seed_everything(0, verbose=False)
+        again = Finetune()
+        trainer_for(base, world, max_epochs=2, strategy=strategy()).fit(again, loader(ds, base, world, rank),
+                                                                        ckpt_path=path)
+        return {**result, "params": params(first), "resumed": params(again)}
     if case == "partial":
         m = Unreduced()
         m.path = Path(out) / "partial.ckpt"
