@@ -96,8 +96,9 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
         ckpt.save_sharded(checkpoint, Path(path), token, coordinator=strategy.is_global_zero, layout=layout,
                           extra={**feedback.entries(engines, strategy.global_rank), **beside.take(checkpoint)})
         return
-    kept = beside.gather_full(checkpoint)  # [Note: DTensors beside the model] in checkpoint_beside.py
-    beside.gather_full(checkpoint, skip=[k for k in checkpoint if k != "state_dict"])  # an average's shards
+    # [Note: DTensors beside the model] in checkpoint_beside.py; a DTensor in state_dict (WeightAveraging's average)
+    # is gathered too, but loads as the full state dict it then is: only the others are sliced back
+    kept = [r for r in beside.gather_full(checkpoint, skip=("optimizer_states",)) if r["where"][0] != "state_dict"]
     checkpoint[files.MARKER] = files.marker("full", beside=kept)
     io = strategy.checkpoint_io
     steps.write_full(checkpoint, path, token, io, storage_options, strategy.is_global_zero)

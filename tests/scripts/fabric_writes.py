@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -34,15 +33,12 @@ import lightning as L  # noqa: E402
 from lightning_mics import consolidate  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.scripts.compat import BATCH, Net, classification_data  # noqa: E402
+from tests.scripts.writes import whole  # noqa: E402
 
 STEPS, ACCUM, LIMIT, DECAY, SAVE_AT, PENALTY = 6, 2, 0.05, 0.99, 2, 0.1
 KINDS = {"mics": dict(sharded_data_parallel_degree=2),  # [Note: writes between steps] in unit.py: the kept root
          "mics_os": dict(sharded_data_parallel_degree=2, shard_optimizer_state=True),  # [Note: rows between steps]
          "zero1": dict(sharded_data_parallel_degree=1, shard_optimizer_state=True)}
-
-
-def whole(p):
-    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def train(model, opt, batches, forward, no_sync, average_eval, save):
