@@ -21,7 +21,7 @@ LAYOUTS = [("mics", 2), ("mics_os", 4), ("mics_full", 4), ("zero1", 2)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return CaseRuns(SCRIPT, tmp_path_factory, lambda kind: ["fabric"] if kind.startswith("fabric_")
-                    else ["ema", "trainable", "partial"] if kind == "mics" else ["ema", "trainable"])
+                    else ["ema", "trainable", "partial", "ema_bf16"] if kind == "mics" else ["ema", "trainable"])
 
 
 @pytest.mark.parametrize("kind,world", LAYOUTS)
@@ -79,3 +79,12 @@ def test_the_state_dict_as_on_save_checkpoint_left_it_is_saved_as_under_ddp(runs
     assert "net.emb.weight" not in ref["names"] and "extra.scale" in ref["names"]
     assert got["names"] == ref["names"]
     assert max_diff(got["params"], ref["params"]) <= 1e-6 and max_diff(got["resumed"], ref["resumed"]) <= 1e-6
+
+
+def test_an_ema_saved_beside_the_model_under_bf16_mixed_keeps_the_fp32_shards(runs):
+    """Under bf16-mixed at s = 2 the parameters between steps are the fp32 masters' shards, and so are the clones:
+    the checkpoint holds them in fp32 and the resumed fit is the uninterrupted one bit for bit."""
+    got = runs.load("mics", 2, "ema_bf16")
+    assert got["types"] == ["DTensor"]
+    assert {str(t.dtype) for t in got["consolidated"].values()} == {"torch.float32"}
+    assert max_diff(got["ema_end"], got["first_end"]) == 0.0

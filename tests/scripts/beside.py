@@ -9,6 +9,7 @@ another in one process (one rank; ``compat.py``'s ``main``):
   of 3 epochs, and a second fit resumed from it to the end. Rank 0 saves the parameters, the EMA after each fit
   (gathered in ``on_train_end``), the EMA as the resumed fit read it (gathered in ``on_train_start``), the types
   the load gave back, and for a sharded checkpoint the EMA that ``consolidate`` reads in one process;
+- ``ema_bf16`` (Trainer): ``ema`` under ``bf16-mixed``;
 - ``ema_from`` (Trainer): a fit resumed from the checkpoint at ``$BESIDE_FROM`` (another launch's, another layout);
 - ``trainable`` (Trainer): a finetuning run's ``on_save_checkpoint`` keeps only the trainable weights in
   ``state_dict`` (the embedding, frozen, deleted) and adds an entry of its own; a second fit resumes from it with
@@ -141,11 +142,13 @@ def trainer_case(case, kind, world, rank, out):
         everyone = [None] * world
         torch.distributed.all_gather_object(everyone, m.refused)
         return {"refused": everyone, "written": m.path.exists()}
-    path = Path(os.environ["BESIDE_FROM"]) if case == "ema_from" else Path(out) / f"ema_{kind}.ckpt"
-    if case == "ema":
+    path = Path(os.environ["BESIDE_FROM"]) if case == "ema_from" else Path(out) / f"{case}_{kind}.ckpt"
+    precision = "bf16-mixed" if case == "ema_bf16" else "32-true"
+    if case in ("ema", "ema_bf16"):
         first = EMA()
         first.path = path
-        trainer_for(base, world, max_epochs=3, strategy=strategy()).fit(first, loader(ds, base, world, rank))
+        trainer_for(base, world, max_epochs=3, strategy=strategy(), precision=precision).fit(
+            first, loader(ds, base, world, rank))
         result["first_end"] = first.ema_end
         if rank == 0 and kind != "ddp":
             saved = consolidate(path)  # one process: a directory's shards, or the full file as written
@@ -153,7 +156,8 @@ def trainer_case(case, kind, world, rank, out):
         elif rank == 0:
             result["saved"] = {n: t.clone() for n, t in torch.load(path, weights_only=False)["ema"]["weights"].items()}
     m = EMA()
-    trainer_for(base, world, max_epochs=3, strategy=strategy()).fit(m, loader(ds, base, world, rank), ckpt_path=path)
+    trainer_for(base, world, max_epochs=3, strategy=strategy(), precision=precision).fit(
+        m, loader(ds, base, world, rank), ckpt_path=path)
     result.update(params=params(m), ema_loaded=m.ema_loaded, ema_end=m.ema_end, types=m.loaded_types,
                   pair_alike=m.pair_alike, updates=m.updates)
     return result
