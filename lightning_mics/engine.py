@@ -9,7 +9,8 @@ that drive them, [Note: one optimizer step]), ``full_state.py`` (full tensors fr
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -25,6 +26,7 @@ from lightning_mics.placement import ReplicatedParam, local
 from lightning_mics.replicated import ReplicatedReducer
 from lightning_mics.gradients import GradientPath
 from lightning_mics.schedule import Schedule
+from lightning_mics.shown_grads import ShownGrads
 from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.telemetry import CommLog
 from lightning_mics.topology import Topology
@@ -79,10 +81,13 @@ class MiCSEngine:
         self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
                                  reshard_after_forward)
         self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize)
+        # [Note: gradients on the plain parameters] in shown_grads.py
+        self.shown = [ShownGrads(u.params) for u in self.units if u.pinned]
         self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
-                           self.schedule, self.grads, owner=self)  # the module keeps its engine while sharded
+                           self.schedule, self.grads, self.shown, owner=self)  # the module keeps its engine
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
         self.activations = ActivationCheckpointing(groups, activation_offload, self.log) if groups else None
+        self._closure_step = self._evaluated = False  # [Note: evaluations inside a step] in schedule.py
 
     def _entry_modules(self, unit: Unit, plan: UnitPlan) -> List[nn.Module]:
         """Where a unit is entered: its module; for the root also every module holding a root parameter,
@@ -159,8 +164,47 @@ class MiCSEngine:
             unit.settle_rows()
 
     def before_optimizer_step(self) -> None:
-        """Pre-step hook of every optimizer: what user code wrote, into the masters ([``Schedule.take_writes``])."""
+        """Pre-step hook of every optimizer: what user code wrote, into the masters ([``Schedule.take_writes``]);
+        in a step that evaluates a closure, after each evaluation instead ([Note: evaluations inside a step])."""
+        if not self._closure_step:
+            self.schedule.take_writes()
+            self._take_shown()
+
+    @contextmanager
+    def closure_step(self) -> Iterator[None]:
+        """An optimizer step whose closure's evaluations are bracketed by ``evaluating`` and ``evaluated``
+        ([Note: evaluations inside a step] in schedule.py)."""
+        self._closure_step, self._evaluated = True, False
+        try:
+            yield
+        finally:
+            self._closure_step = self._evaluated = False
+
+    def evaluating(self) -> None:
+        """An evaluation of the step's closure begins: after the first, the optimizer may have moved the masters."""
+        if self._evaluated:
+            self.schedule.after_optimizer_step()
+
+    def evaluated(self) -> None:
+        """An evaluation of the step's closure ended (with the hooks that follow it): its writes, into the masters."""
         self.schedule.take_writes()
+        self._take_shown()
+        self._evaluated = True
+
+    def _take_shown(self) -> None:
+        """What user code did to the gradients the plain parameters show, into the optimizer's ([Note: gradients
+        on the plain parameters] in shown_grads.py)."""
+        for shown in self.shown:
+            shown.take()
+
+    def evaluations(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` bracketed by ``evaluating`` and ``evaluated``, for a step inside ``closure_step``."""
+        def evaluate() -> Any:
+            self.evaluating()
+            out = closure()
+            self.evaluated()
+            return out
+        return evaluate
 
     def after_optimizer_step(self) -> None:
         """Post-step hook of every optimizer ([``Schedule.after_optimizer_step``])."""

@@ -190,9 +190,14 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self.options.stop_on_nonfinite:
             reliability.checked(lambda: None, F.unwrap(optimizer), lambda: self._steps, self.root_device)()
-        out = super().optimizer_step(optimizer, **kwargs)
-        self._steps += 1
         engine = F.engine_holding(F.unwrap(optimizer))
+        if engine is not None and kwargs.get("closure") is not None:  # [Note: evaluations inside a step]
+            kwargs["closure"] = engine.evaluations(kwargs["closure"])  # in schedule.py
+            with engine.closure_step():
+                out = super().optimizer_step(optimizer, **kwargs)
+        else:
+            out = super().optimizer_step(optimizer, **kwargs)
+        self._steps += 1
         if engine is not None:
             self.comm_stats = engine.log.step_summary()
         return out

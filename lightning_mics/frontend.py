@@ -237,7 +237,7 @@ def shard(module: nn.Module, topology: Topology, options: MiCSOptions, device: t
         shards = dict(module.named_parameters())
         for opt, state in zip(optimizers, states):
             for group in opt.param_groups:
-                group["params"] = [shards[names[id(p)]] for p in group["params"]]
+                group["params"][:] = [shards[names[id(p)]] for p in group["params"]]
             opt.state.clear()
             ckpt.load_full_optimizer_state(engine, opt, state)
     return engine
@@ -251,7 +251,7 @@ def make_plain(engine: MiCSEngine, optimizers: Sequence[torch.optim.Optimizer]) 
         mapping = engine.restore_module()
         for opt, state in zip(optimizers, full_states):
             for group in opt.param_groups:
-                group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+                group["params"][:] = [mapping.get(id(p), p) for p in group["params"]]
             opt.state.clear()
             opt.load_state_dict(state)
     for module, ref in list(ENGINES.items()):
@@ -302,7 +302,7 @@ def point_at_shards(optimizer: torch.optim.Optimizer) -> None:
         return
     shards = {id(p.full): p.sharded for e in live_engines() for u in e.units for p in u.all_params()}
     for group in optimizer.param_groups:
-        group["params"] = [shards.get(id(p), p) for p in group["params"]]
+        group["params"][:] = [shards.get(id(p), p) for p in group["params"]]  # in place: LBFGS holds the list
 
 
 def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where: str) -> None:

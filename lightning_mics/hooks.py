@@ -42,6 +42,7 @@ from torch._dynamo import compiled_autograd
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_mics.gradients import GradientPath
+from lightning_mics.shown_grads import ShownGrads
 from lightning_mics.placement import ReplicatedParam
 from lightning_mics.schedule import Schedule
 from lightning_mics.unit import Unit, in_backward
@@ -65,8 +66,9 @@ class Hooks:
     """Registers the hooks of every unit on its entry modules ([Note: one optimizer step]) and removes them."""
 
     def __init__(self, units: List[Unit], entries: Sequence[List[nn.Module]], schedule: Schedule,
-                 grads: GradientPath, owner: Any = None) -> None:
+                 grads: GradientPath, shown: Sequence[ShownGrads] = (), owner: Any = None) -> None:
         self.units, self.root = units, units[0]
+        self.shown = list(shown)  # [Note: gradients on the plain parameters] in shown_grads.py
         self.owner = owner  # held by the hooks, so by the modules: [Note: engines beside their modules] (frontend.py)
         self.schedule, self.grads = schedule, grads
         self._callback_queued = False
@@ -160,6 +162,8 @@ class Hooks:
         """The unit's backward is complete: its gradients are reduced, then it is released if the schedule
         says so."""
         boundary = self.grads.sync_replicas
+        for shown in self.shown:  # the plain gradients are read next
+            shown.hide()
         unit.finish_backward()  # first: the reduction may start the unit's replica all-reduce right away
         if self.grads.needs_reduce(unit) and self.grads.reduce_now():
             self.grads.reduce(unit, releasing=self.schedule.releases_after_backward(unit, boundary))
@@ -179,6 +183,8 @@ class Hooks:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         boundary = self.grads.sync_replicas
+        for shown in self.shown:  # the plain gradients are read next
+            shown.hide()
         for unit in reversed(self.units):  # same order on every rank
             self.grads.end_of_backward(unit, releasing=self.schedule.releases_after_backward(unit, boundary))
             self.schedule.after_backward(unit, boundary)
@@ -187,6 +193,8 @@ class Hooks:
         self.schedule.end_backward()
         if boundary:
             self.grads.sync()
+            for shown in self.shown:
+                shown.show()
 
     # -- teardown ---------------------------------------------------------------------------------------
     def remove(self) -> None:
@@ -195,6 +203,8 @@ class Hooks:
         self._handles.clear()
         for unit in self.units:
             unit.remove_hooks()
+        for shown in self.shown:
+            shown.remove()
 
     def reset(self) -> None:
         """After an exception: no end-of-backward callback is pending any more."""

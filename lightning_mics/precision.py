@@ -15,9 +15,28 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 
 class _ShardedClip:
     _mics_clip = None  # set by the strategy: callable(optimizer, max_norm)
+    _mics_engine = None  # set by the strategy: the engine whose masters the optimizers step
 
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:  # type: ignore[override]
         self._mics_clip(optimizer, float(clip_val))
+
+    # [Note: evaluations inside a step] in schedule.py: every step Lightning runs evaluates a closure (the training
+    # step and its backward, then the hooks before the step and clipping: ``_after_closure``), inside the step
+    def optimizer_step(self, optimizer, model, closure, **kwargs):  # type: ignore[override]
+        if self._mics_engine is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        with self._mics_engine.closure_step():
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+    def _wrap_closure(self, model, optimizer, closure):  # type: ignore[override]
+        if self._mics_engine is not None:
+            self._mics_engine.evaluating()
+        return super()._wrap_closure(model, optimizer, closure)
+
+    def _after_closure(self, model, optimizer) -> None:  # type: ignore[override]
+        super()._after_closure(model, optimizer)
+        if self._mics_engine is not None:
+            self._mics_engine.evaluated()
 
 
 class MiCSPrecision(_ShardedClip, Precision):

@@ -30,6 +30,21 @@ evicts them first when something must be gathered ([Note: live cap]).
 per unit per micro-batch instead of two, for models whose gathered parameters fit. The cap still holds: kept
 units are idle, so gathering the next unit evicts the earliest kept ones first, which are then gathered again
 in backward.
+
+[Note: evaluations inside a step]
+An optimizer step given a closure evaluates it inside its body, after the step's pre-hook and before the update:
+Lightning's Trainer always passes one (the training step and its backward, then ``on_before_optimizer_step`` and
+clipping), and LBFGS evaluates it again after moving the masters. Units gathered meanwhile (pinned between steps
+under ZeRO-1; kept after a forward whose backward did not come) lend plain parameters that user code may write, so:
+
+- their writes are taken after each evaluation, Lightning's hooks after it included (``MiCSEngine.evaluations``),
+  not in the pre-hook that runs before it: ZeRO-1 lost a clamp made in ``on_before_optimizer_step`` (4.1 from DDP);
+- before an evaluation after the first, the masters may have moved: the units are treated as after a step
+  (refreshed if pinned or in use, released otherwise). ZeRO-1's pinned copies stayed at the step's start, and
+  LBFGS ended 0.16 from DDP;
+- after the update, a unit still gathered holds the masters as they were before it: it is released without
+  taking its plain parameters as writes. A unit kept after a forward whose backward never ran (Lightning's
+  ``StochasticWeightAveraging`` batch-norm epoch) had its update taken back that way (0.010 from DDP at s = 2).
 """
 
 from __future__ import annotations
@@ -188,12 +203,14 @@ class Schedule:
             unit.take_writes()
 
     def after_optimizer_step(self) -> None:
-        """Post-step hook of every optimizer: the updated rows are due across the replicas ([Note: rows between
-        steps] in optimizer_rows.py); units still in use get the new values; idle ones are released."""
+        """The masters moved: post-step hook of every optimizer, and before a step's closure is evaluated again
+        ([Note: evaluations inside a step]). The updated rows are due across the replicas ([Note: rows between
+        steps] in optimizer_rows.py); units still in use, or pinned, get the new values; idle ones are released,
+        their plain parameters (the masters before the step, their writes taken then) left out of the masters."""
         for unit in self.units:
             unit.rows_stepped()
         for unit in self.units:
             if unit.state is ShardedState.GATHERED and (unit.depth > 0 or unit.pinned):
                 unit.refresh()
             else:
-                unit.release()
+                unit.release(stale=True)

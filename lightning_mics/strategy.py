@@ -22,7 +22,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import ModelPruning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import ModelPruning
 from lightning.pytorch.plugins.layer_sync import LayerSync
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
@@ -48,9 +48,6 @@ from lightning_mics.sharding import resolve_classes
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
 # callbacks that copy or re-register the module's parameters behind the engine: refused at setup
 _UNSUPPORTED_CALLBACKS = (
-    (StochasticWeightAveraging, "it averages into a plain copy of the module made before sharding, with its own "
-                                "learning-rate schedule; Lightning refuses it under FSDP. WeightAveraging and "
-                                "EMAWeightAveraging average the shards"),
     (ModelPruning, "it replaces each pruned parameter with a '_orig' parameter and a mask, behind the engine that "
                    "holds the parameters, and ranks the weights over whole tensors the ranks hold in shards"),
 )
@@ -231,6 +228,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                               "self.parameters() (or named_parameters()), after the strategy has sharded the module")
             self._step_hooks.append(opt.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))
             self._step_hooks.append(opt.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
+        self.precision_plugin._mics_engine = engine  # [Note: evaluations inside a step] in schedule.py
 
     @override
     def model_to_device(self) -> None:
@@ -384,6 +382,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         for h in self._step_hooks:
             h.remove()
         self._step_hooks.clear()
+        self.precision_plugin._mics_engine = None
         keep_sharded = False
         if self._engine is not None:
             optimizers = [F.unwrap(o) for o in self.optimizers]

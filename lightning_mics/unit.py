@@ -301,12 +301,12 @@ class Unit:
         return C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
                                  async_op=async_op, log=self.log, kernels=self.kernels)
 
-    def release(self, force: bool = False) -> None:
+    def release(self, force: bool = False, stale: bool = False) -> None:
         """-> SHARDED: the DTensors go back into the modules and the full storage is freed. A pinned unit
-        stays gathered unless ``force``."""
+        stays gathered unless ``force``. ``stale``: the masters moved since the gather (an optimizer step)."""
         if self.state is ShardedState.SHARDED or (self.pinned and not force):
             return
-        if self.pinned or self.exposed:
+        if (self.pinned or self.exposed) and not stale:
             self.take_writes()  # plain parameters that user code could write, into the masters
         if self._gather is not None:  # a prefetch never used: its first hop is waited, no second hop (alike
             C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)

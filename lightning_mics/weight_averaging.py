@@ -28,8 +28,13 @@ Under ZeRO-1 with mixed precision the module's parameters between steps are ``pa
 masters (DDP's are fp32): the callback's swap through them would round the average at every validation, so that
 combination is refused at setup with a ``ValueError`` on every rank.
 
-``StochasticWeightAveraging`` (Lightning's older callback, with its own learning-rate schedule and batch-norm pass)
-stays refused, as Lightning refuses it under FSDP.
+``StochasticWeightAveraging`` (Lightning's older callback; Lightning refuses it under FSDP) deep-copies the whole
+LightningModule at setup and averages ``parameters()`` into the copy's, in order, once per epoch: its copy is swapped
+for a shadow the same way (its state dict the module's keys, DTensors of the module's placements, in the callback's
+checkpoint state: [Note: DTensors beside the model]). The rest is its code: the ``SWALR`` schedule put in place of
+the user's, the average copied into the parameters (writes between steps) and, for a model with batch norm, the extra
+epoch of forwards without backward that recomputes the running statistics, whose closing step reuses the last
+gradients ([Note: evaluations inside a step] in schedule.py). The same refusal under ZeRO-1 with mixed precision.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch.nn as nn
-from lightning.pytorch.callbacks import WeightAveraging
+from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 from torch.optim.swa_utils import AveragedModel
 
 from lightning_mics import checkpoint_beside as beside
@@ -48,6 +53,10 @@ if TYPE_CHECKING:
 
 def averaging_callbacks(trainer: "pl.Trainer") -> List[WeightAveraging]:
     return [cb for cb in trainer.callbacks if isinstance(cb, WeightAveraging)]
+
+
+def _swa_callbacks(trainer: "pl.Trainer") -> List[StochasticWeightAveraging]:
+    return [cb for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]
 
 
 def shadow(module: nn.Module) -> nn.Module:
@@ -79,12 +88,14 @@ def shadow(module: nn.Module) -> nn.Module:
 def shard_averages(trainer: "pl.Trainer", module: nn.Module, units: List[Any]) -> List[Any]:
     """Replaces each ``WeightAveraging`` callback's plain ``AveragedModel`` by one over a shadow of the sharded
     module (the callback's averaging function and ``use_buffers`` kept; its ``device`` applied to the plain copy it
-    made before sharding only: the average's shards live beside the module's). Returns the hooks to remove when the
+    made before sharding only: the average's shards live beside the module's), and each ``StochasticWeightAveraging``
+    callback's copy by a shadow. Returns the hooks to remove when the
     fit ends. Refuses, on every rank alike, a unit kept gathered in a lower dtype than its masters (ZeRO-1 under
     mixed precision): the callback swaps the average in and out through those copies, which would round it."""
     lower = sorted({str(u.param_dtype) for u in units if u.pinned and u.param_dtype != u.dtype})
-    if averaging_callbacks(trainer) and lower:
-        raise ValueError(f"MiCSStrategy: {type(averaging_callbacks(trainer)[0]).__name__} with the optimizer-state-"
+    averaging = averaging_callbacks(trainer) + _swa_callbacks(trainer)
+    if averaging and lower:
+        raise ValueError(f"MiCSStrategy: {type(averaging[0]).__name__} with the optimizer-state-"
                          f"only layout (sharded_data_parallel_degree=1, shard_optimizer_state=True) under a precision "
                          f"whose parameters between steps are {lower[0]} copies of the fp32 masters: the callback "
                          "swaps the average in and out through them and would round it. Allowed: a '-true' "
@@ -99,7 +110,11 @@ def shard_averages(trainer: "pl.Trainer", module: nn.Module, units: List[Any]) -
         average.module = shadow(module)
         average.register_load_state_dict_pre_hook(_in_layout)
         cb._average_model = average
-    if any(cb._average_model is not None for cb in averaging_callbacks(trainer)):
+    for cb in _swa_callbacks(trainer):
+        cb._average_model = None  # its deep copy of the LightningModule: freed before the shadow is made
+        cb._average_model = shadow(module)
+        cb._average_model.register_load_state_dict_pre_hook(_in_layout)
+    if any(cb._average_model is not None for cb in averaging):
         hooks.append(module.register_load_state_dict_pre_hook(_in_layout))
     return hooks
 

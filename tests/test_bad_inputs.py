@@ -104,9 +104,12 @@ CASES = [
      ["--wrapped-blocks"],  # the user's own checkpoint_wrapper around each block: Lightning's FSDP ignores its option
      ["activation_checkpointing=['tests.scripts.compat.Block']", "already checkpoints", "Allowed: this option "
       "without the wrappers, or the wrappers with activation_checkpointing=None"]),
-    ("swa-callback", SETUP, {}, ["--swa"],  # Lightning's SWA and pruning callbacks, each named
-     ["callbacks not supported: StochasticWeightAveraging (it averages into a plain copy",
-      "; ModelPruning (it replaces each pruned parameter", "Allowed: none of these."]),
+    ("pruning-callback", SETUP, {}, ["--pruning"],  # Lightning's pruning callback
+     ["callbacks not supported: ModelPruning (it replaces each pruned parameter", "Allowed: none of these."]),
+    ("swa-zero1-bf16-mixed", SETUP, {"sharded_data_parallel_degree": 1, "shard_optimizer_state": True},
+     ["--swa", "--precision", "bf16-mixed"],  # as EMA's below
+     ["StochasticWeightAveraging with the optimizer-state-only layout", "torch.bfloat16 copies of the fp32 masters",
+      "Allowed: a '-true' precision ('32-true', 'bf16-true')"]),
     ("ema-zero1-bf16-mixed", SETUP, {"sharded_data_parallel_degree": 1, "shard_optimizer_state": True},
      ["--ema", "--precision", "bf16-mixed"],  # the average would be swapped through ZeRO-1's bf16 copies
      ["EMAWeightAveraging with the optimizer-state-only layout", "torch.bfloat16 copies of the fp32 masters",

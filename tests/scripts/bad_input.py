@@ -1,7 +1,7 @@
 """A user's script with one bad strategy option (tests/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
 
     python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N] [--fused-sgd]
-                        [--swa] [--wrapped-blocks] [--async-io]
+                        [--pruning] [--swa] [--ema] [--wrapped-blocks] [--async-io]
 
 Started as ``python bad_input.py`` (Lightning's launcher would start rank 1) or under ``torchrun``. Most bad values
 are refused in ``MiCSStrategy.__init__`` or when the Trainer is made, before any process is launched; those that
@@ -38,7 +38,8 @@ def main():
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--fused-sgd", action="store_true", help="the module's SGD built with fused=True")
-    ap.add_argument("--swa", action="store_true", help="Lightning's SWA and pruning callbacks")
+    ap.add_argument("--pruning", action="store_true", help="Lightning's pruning callback")
+    ap.add_argument("--swa", action="store_true", help="Lightning's StochasticWeightAveraging callback")
     ap.add_argument("--ema", action="store_true", help="Lightning's EMAWeightAveraging callback")
     ap.add_argument("--wrapped-blocks", action="store_true", help="each block in torch's checkpoint_wrapper")
     ap.add_argument("--async-io", action="store_true", help="Lightning's AsyncCheckpointIO plugin")
@@ -50,9 +51,9 @@ def main():
         trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=2, logger=False, plugins=plugins,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             strategy=MiCSStrategy(**json.loads(args.strategy)),
-                            callbacks=[StochasticWeightAveraging(swa_lrs=0.05), ModelPruning("l1_unstructured",
-                                                                                              amount=0.3)]
-                            if args.swa else [EMAWeightAveraging()] if args.ema else None)
+                            callbacks=[ModelPruning("l1_unstructured", amount=0.3)] if args.pruning
+                            else [StochasticWeightAveraging(swa_lrs=0.05)] if args.swa
+                            else [EMAWeightAveraging()] if args.ema else None)
         module = Base()
         if args.wrapped_blocks:
             for i, block in enumerate(module.net.blocks):
