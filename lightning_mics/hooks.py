@@ -128,6 +128,8 @@ class Hooks:
         """The root is entered from outside any forward: forget what a forward without backward left."""
         for unit in self.units:
             unit.clear_counters()
+        for shown in self.shown:  # the optimizer's zero_grad() since: off the plain parameters too
+            shown.take()
         self.schedule.begin_iteration()
 
     # -- backward ---------------------------------------------------------------------------------------

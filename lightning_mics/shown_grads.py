@@ -25,7 +25,9 @@ step's closure, before a backward adds to it):
   (bit for bit, as [Note: writes between steps] in unit.py takes parameters). A copy is not updated when the
   engine changes the optimizer's gradient (clipping by norm, the loss scaler's unscaling): read it before those;
 - replaced by another DTensor of the same placements (``p.grad = p.grad * c``): taken as the optimizer's gradient;
-  any other tensor is refused with a ``ValueError``.
+  any other tensor is refused with a ``ValueError``;
+- the optimizer's ``zero_grad()`` set its gradient to None: the plain ``.grad`` is set to None too (when the next
+  forward starts, or the next take).
 
 The shown gradient leaves ``.grad`` before autograd accumulates into it (a hook on the parameter, which runs before
 the accumulation) and before the engine reads the plain gradients at the end of backward, so the plain ``.grad`` is
@@ -96,10 +98,15 @@ class ShownGrads:
                         "it to None, or a DTensor of the same placements (p.grad = p.grad * c).")
                 sp.sharded.grad = now.detach().to(sp.sharded.dtype)
                 self._show(k)
-            elif own is not None and shown is not own:  # a copy in a lower dtype: the elements written since
+            elif own is None:  # the optimizer's zero_grad(): what it showed is gone
+                sp.full.grad = self.shown[k] = self.seen[k] = None
+            elif shown is not own:  # a copy in a lower dtype: the elements written since
                 theirs, seen = local(shown), self.seen[k]
-                written = _bits(theirs) != _bits(seen)
-                local(own).copy_(torch.where(written, theirs.to(own.dtype), local(own)))
+                if not theirs.any():  # zeroed in place (fp16 copies round the smallest gradients to zero)
+                    local(own).zero_()
+                else:
+                    written = _bits(theirs) != _bits(seen)
+                    local(own).copy_(torch.where(written, theirs.to(own.dtype), local(own)))
                 seen.copy_(theirs)
 
     def hide(self, i: Optional[int] = None) -> None:

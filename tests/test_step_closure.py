@@ -104,6 +104,13 @@ def test_fabric_loops_equal_one_process(fabric_runs, case):
     assert off(fabric_runs(case)) <= 1e-6
 
 
+def test_fabric_zero1_module_gradients_follow_the_optimizers_zero_grad(fabric_runs):
+    """After ``opt.zero_grad()`` and a forward, the module shows no gradient, as under DDP (the gradients it
+    showed were the optimizer's)."""
+    got = fabric_runs("zero1_opt")
+    assert not any(got["after_forward"])
+
+
 def test_fabric_zero1_zeroing_through_the_module_under_bf16_is_zeroing_through_the_optimizer(fabric_runs):
     """Under bf16-mixed the plain parameters show bf16 copies of the optimizer's gradients: set to None or zeroed
     in place, the optimizer's are too; the run is the one zeroing through the optimizer, bit for bit."""

@@ -80,9 +80,11 @@ def run_case(case, world, rank):
     lo, hi = rank * PER_RANK, (rank + 1) * PER_RANK
     train(model, opt, [(x[lo:hi], y[lo:hi]) for x, y in batches(world)], how, fabric)
     got = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
+    model(batches(world)[0][0][lo:hi])  # a forward: what the optimizer's zero_grad() cleared is off the module too
     ref = make()
     train(ref, optimizer(how, ref.parameters()), batches(world), how)
-    return {"params": got, "reference": [p.detach().clone() for p in ref.parameters()]}
+    return {"params": got, "reference": [p.detach().clone() for p in ref.parameters()],
+            "after_forward": [p.grad is not None for p in model.parameters()]}
 
 
 if __name__ == "__main__":
