@@ -82,7 +82,7 @@ class MiCSEngine:
                                  reshard_after_forward)
         self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize)
         # [Note: gradients on the plain parameters] in shown_grads.py
-        self.shown = [ShownGrads(u.params) for u in self.units if u.pinned]
+        self.shown = [ShownGrads(u) for u in self.units if u.params and (u.pinned or u is self.units[0])]
         self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
                            self.schedule, self.grads, self.shown, owner=self)  # the module keeps its engine
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)

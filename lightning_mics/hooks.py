@@ -95,6 +95,10 @@ class Hooks:
                 self._begin_iteration()
             self.schedule.on_forward(unit)
             unit.finish_gather()
+            if unit is self.root:  # user code may run inside it (manual optimization's training_step)
+                for shown in self.shown:
+                    if shown.unit is unit:
+                        shown.show()
             unit.begin_forward()
             if not torch.is_grad_enabled():
                 return args, kwargs

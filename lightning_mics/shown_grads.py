@@ -1,24 +1,27 @@
-"""The optimizer's gradients shown on ZeRO-1's plain parameters.
+"""The optimizer's gradients shown on plain parameters.
 
 [Note: gradients on the plain parameters]
-Under the optimizer-state-only layout ([Note: optimizer-state-only sharding] in gradients.py) the module holds plain
-copies of the parameters between steps, while the optimizer steps DTensor rows of them, whose ``.grad`` the boundary
-publishes. The plain parameters' ``.grad`` was left None, so what user code does through the module missed the
-gradients the optimizer steps:
+User code can run while a unit lends the module plain parameters, not the DTensors the optimizer steps: under the
+optimizer-state-only layout ([Note: optimizer-state-only sharding] in gradients.py) the pinned unit between steps,
+and at s > 1 the root unit for the whole ``training_step`` of manual optimization (it runs inside the root's forward,
+[Note: keep for backward] in schedule.py). The boundary publishes the gradients on the DTensors; the plain
+parameters' ``.grad`` was left None, so what user code does through the module missed the gradients the optimizer
+steps:
 
 - ``model.zero_grad()`` (HF-style loops, Lightning's own ``on_validation_model_zero_grad``) cleared nothing, and the
-  next window's gradients were added to the last one's: a Fabric loop zeroing through the module ended 0.036 from one
-  process after 6 steps, ``self.zero_grad()`` in manual optimization 0.061 from DDP; Lightning's
-  ``StochasticWeightAveraging`` batch-norm epoch, whose closing step reuses the gradients the validation zeroed,
-  0.011 from DDP (AdamW, measured by hand);
+  next window's gradients were added to the last one's: a Fabric loop zeroing through the module under ZeRO-1
+  ended 0.036 from one process after 6 steps, ``self.zero_grad()`` in manual optimization 0.061 from DDP (0.055 at
+  s = 2, the root's gradients); Lightning's ``StochasticWeightAveraging`` batch-norm epoch, whose closing step
+  reuses the gradients the validation zeroed, 0.011 from DDP under ZeRO-1 (AdamW, measured by hand);
 - gradients read in ``on_before_optimizer_step`` (norms logged) or clipped by hand over ``model.parameters()`` were
   not there (the clip: 0.041 from one process under Fabric).
 
-So after the boundary each plain parameter's ``.grad`` shows the optimizer's: the same DTensor (the rows this rank
-steps, ``full_tensor()`` the whole reduced gradient), or under a lower ``param_dtype`` a DTensor copy in the plain
-parameter's dtype (``.grad`` must match it). What user code does to it is taken into the optimizer's gradient
-before the optimizer or the next window reads it (``take``: the optimizers' pre-step, after each evaluation of a
-step's closure, before a backward adds to it):
+So while such a unit is gathered (from the boundary's publish, or from the root's gather for a forward) each plain
+parameter's ``.grad`` shows the optimizer's: the same DTensor (the rows this rank steps, ``full_tensor()`` the whole
+reduced gradient), or under a lower ``param_dtype`` a DTensor copy in the plain parameter's dtype (``.grad`` must
+match it). What user code does to it is taken into the optimizer's gradient before the optimizer or the next window
+reads it (``take``: the optimizers' pre-step, after each evaluation of a step's closure, when a forward starts,
+before a backward adds to it):
 
 - set to None (``zero_grad()``): the optimizer's gradient is set to None;
 - written in place: the same tensor, so already there; a copy's elements that changed since it was shown are taken
@@ -36,23 +39,23 @@ again this rank's own gradient of the window, as the reduction expects.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_mics.placement import local
-from lightning_mics.unit import _bits
+from lightning_mics.unit import ShardedState, Unit, _bits
 
 
 class ShownGrads:
-    """One pinned unit's plain parameters showing the optimizer's gradients ([Note: gradients on the plain
-    parameters]); ``params``: the unit's ``ShardedParam``s (``full``: the plain parameter, ``sharded``: the
-    optimizer's DTensor)."""
+    """One unit's plain parameters showing the optimizer's gradients while it is gathered ([Note: gradients on the
+    plain parameters]); its ``ShardedParam``s: ``full`` the plain parameter, ``sharded`` the optimizer's DTensor."""
 
-    def __init__(self, params: Sequence[Any]) -> None:
-        self.params = list(params)
+    def __init__(self, unit: Unit) -> None:
+        self.unit = unit
+        self.params = list(unit.params)
         self.shown: List[Optional[Tensor]] = [None] * len(self.params)
         self.seen: List[Optional[Tensor]] = [None] * len(self.params)  # a copy's local values as shown or taken
         self._handles: Dict[int, Any] = {}  # registered when first shown (a frozen parameter takes no hook)
@@ -71,9 +74,15 @@ class ShownGrads:
         sp.full.grad = self.shown[k]
 
     def show(self) -> None:
-        """After the boundary published the optimizer's gradients (not on a tensor-parallel part: a DTensor)."""
+        """The optimizer's gradients on the plain parameters, if the unit is gathered: after the boundary published
+        them, when the unit is gathered for a forward (not on a tensor-parallel part: a DTensor)."""
+        if self.unit.state is not ShardedState.GATHERED:
+            return
         for k, sp in enumerate(self.params):
-            if sp.sharded.grad is not None and sp.full.requires_grad and not isinstance(sp.full, DTensor):
+            if sp.sharded.grad is None:
+                if self.shown[k] is not None and sp.full.grad is self.shown[k]:  # zeroed while released
+                    sp.full.grad = self.shown[k] = self.seen[k] = None
+            elif sp.full.requires_grad and not isinstance(sp.full, DTensor):
                 if k not in self._handles:
                     self._handles[k] = sp.full.register_hook(self._before_accumulate(k))
                 self._show(k)

@@ -1,6 +1,7 @@
-"""One rank of ``tests/test_step_closure.py``'s Fabric cases (``--strategy fabric --cases ...``, ``compat.py``'s main): loops as users write them, under MiCS's layouts, against
-one plain process on the union of the ranks' batches (computed on rank 0). Each case (``--cases``) gets its own
-``L.Fabric``; rank 0 saves ``<case>.pt``: the parameters and the reference's.
+"""One rank of ``tests/test_step_closure.py``'s Fabric cases (``--strategy fabric --cases ...``, ``compat.py``'s
+main): loops as users write them, under MiCS's layouts, against one plain process on the union of the ranks' batches
+(computed on rank 0). Each case gets its own ``L.Fabric``; rank 0 saves ``<case>.pt``: the parameters, the
+reference's, and whether the module shows gradients after a last forward.
 
 - ``<layout>_<zeroing>``: ``zero_grad`` through the module (``module``: set to None; ``module_false``: in place) or
   through the optimizer (``opt``), after each step;

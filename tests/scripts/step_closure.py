@@ -8,7 +8,7 @@ strategy, one case after another in one process (one rank; ``compat.py``'s ``mai
 - ``clamp_before_step``: every weight clamped in ``on_before_optimizer_step`` (after backward, before the update);
 - ``lbfgs``: LBFGS with ``max_iter=3``, its closure evaluated again after the masters moved;
 - ``module_zero_grad``: manual optimization zeroing through the module (``self.zero_grad()``), half the steps with
-  ``set_to_none=False``;
+  ``set_to_none=False``, the gradient norms read after each backward (inside the root's forward);
 - ``grads_seen``: ``on_before_optimizer_step`` reads the module's gradients (``lightning_mics.grad_norm``, as
   Lightning's ``grad_norm`` under DDP) and doubles them in place;
 - ``*_bf16``: under ``bf16-mixed``.
@@ -64,6 +64,7 @@ class ModuleZeroGrad(Base):
     def training_step(self, batch, batch_idx):
         opt = self.optimizers()
         self.manual_backward(self.loss(batch))
+        self.norms = getattr(self, "norms", []) + [norms_of(self)]  # read inside the root's forward
         opt.step()
         self.zero_grad(set_to_none=batch_idx % 2 == 0)
 
@@ -71,11 +72,15 @@ class ModuleZeroGrad(Base):
         return torch.optim.AdamW(self.parameters(), lr=0.01)
 
 
+def norms_of(module):
+    """The module's gradient norms: ``lightning_mics.grad_norm`` under MiCS, Lightning's ``grad_norm`` under DDP."""
+    sharded = module.trainer.strategy.__class__.__name__ == "MiCSStrategy"
+    return {k: float(v) for k, v in (grad_norm if sharded else lightning_grad_norm)(module, norm_type=2).items()}
+
+
 class GradsSeen(AdamW):
     def on_before_optimizer_step(self, optimizer):
-        sharded = self.trainer.strategy.__class__.__name__ == "MiCSStrategy"
-        norms = (grad_norm if sharded else lightning_grad_norm)(self, norm_type=2)
-        self.norms = getattr(self, "norms", []) + [{k: float(v) for k, v in norms.items()}]
+        self.norms = getattr(self, "norms", []) + [norms_of(self)]
         for p in self.parameters():
             if p.grad is not None:
                 p.grad.mul_(2.0)
@@ -102,7 +107,7 @@ def run_case(case, kind, world, rank, out):
     trainer = trainer_for(kind, world, strategy=strategy_of(kind), callbacks=callbacks, precision=precision,
                           limit_val_batches=0, **extra)
     trainer.fit(m, loader(ds, kind, world, rank))
-    if base == "grads_seen":
+    if base in ("grads_seen", "module_zero_grad"):
         result["norms"] = m.norms
     result["params"] = params(m)
     return result
