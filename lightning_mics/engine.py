@@ -26,7 +26,7 @@ from lightning_mics.placement import ReplicatedParam, local
 from lightning_mics.replicated import ReplicatedReducer
 from lightning_mics.gradients import GradientPath
 from lightning_mics.schedule import Schedule
-from lightning_mics.shown_grads import ShownGrads
+from lightning_mics.shown_grads import ShownGrads, ZeroGradHook
 from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.telemetry import CommLog
 from lightning_mics.topology import Topology
@@ -190,6 +190,11 @@ class MiCSEngine:
         self.schedule.take_writes()
         self._take_shown()
         self._evaluated = True
+
+    def follow_zero_grad(self, optimizer: torch.optim.Optimizer) -> ZeroGradHook:
+        """The shown gradients follow ``optimizer.zero_grad()`` ([Note: gradients on the plain parameters] in
+        shown_grads.py); ``.remove()`` the returned handle when the run ends."""
+        return ZeroGradHook(optimizer, lambda: [shown.follow() for shown in self.shown])
 
     def _take_shown(self) -> None:
         """What user code did to the gradients the plain parameters show, into the optimizer's ([Note: gradients

@@ -167,6 +167,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         if engine is not None:
             self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))
             self._step_hooks.append(optimizer.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
+            self._step_hooks.append(engine.follow_zero_grad(optimizer))
         self._optimizers.append(optimizer)
         return optimizer
 

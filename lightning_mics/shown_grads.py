@@ -29,8 +29,9 @@ before a backward adds to it):
   engine changes the optimizer's gradient (clipping by norm, the loss scaler's unscaling): read it before those;
 - replaced by another DTensor of the same placements (``p.grad = p.grad * c``): taken as the optimizer's gradient;
   any other tensor is refused with a ``ValueError``;
-- the optimizer's ``zero_grad()`` set its gradient to None: the plain ``.grad`` is set to None too (when the next
-  forward starts, or the next take).
+- the optimizer's ``zero_grad()``: the plain ``.grad`` follows at once (set to None, or a copy shown again), as it
+  would under DDP, where they are the same tensors (Lightning's own manual-optimization test reads it in
+  ``on_train_batch_end``).
 
 The shown gradient leaves ``.grad`` before autograd accumulates into it (a hook on the parameter, which runs before
 the accumulation) and before the engine reads the plain gradients at the end of backward, so the plain ``.grad`` is
@@ -39,7 +40,7 @@ again this rank's own gradient of the window, as the reduction expects.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -118,6 +119,16 @@ class ShownGrads:
                     local(own).copy_(torch.where(written, theirs.to(own.dtype), local(own)))
                 seen.copy_(theirs)
 
+    def follow(self) -> None:
+        """The optimizer's ``zero_grad()`` set its gradients to None or zeroed them: what is shown follows."""
+        for k, sp in enumerate(self.params):
+            if self.shown[k] is None:
+                continue
+            if sp.sharded.grad is None:
+                sp.full.grad = self.shown[k] = self.seen[k] = None
+            elif self.shown[k] is not sp.sharded.grad:  # a copy: shown again
+                self._show(k)
+
     def hide(self, i: Optional[int] = None) -> None:
         """Taken, then off the plain ``.grad`` (of parameter ``i``, or all): autograd or the reduction is next."""
         for k in range(len(self.params)) if i is None else (i,):
@@ -135,3 +146,21 @@ class ShownGrads:
         for h in self._handles.values():
             h.remove()
         self._handles.clear()
+
+
+class ZeroGradHook:
+    """Runs ``after`` after every ``optimizer.zero_grad()`` (torch has no hook there): the method is wrapped on the
+    instance, which Lightning's and Fabric's optimizer wrappers call; ``remove`` restores the class's."""
+
+    def __init__(self, optimizer: Any, after: Callable[[], None]) -> None:
+        self.optimizer = optimizer
+        original = optimizer.zero_grad
+
+        def zero_grad(*args: Any, **kwargs: Any) -> Any:
+            out = original(*args, **kwargs)
+            after()
+            return out
+        optimizer.zero_grad = zero_grad
+
+    def remove(self) -> None:
+        self.optimizer.__dict__.pop("zero_grad", None)

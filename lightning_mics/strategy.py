@@ -197,7 +197,9 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._shard_model(fitting=fitting)
         if fitting:
             self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
+        self.setup_precision_plugin()  # wraps the optimizers in LightningOptimizers (again)
+        if fitting:  # their zero_grad is torch's, run on the wrapper: not the hook on the optimizer
+            self._step_hooks.extend(self.engine.follow_zero_grad(opt) for opt in self._lightning_optimizers)
         sc.route(self, trainer)
         self.engine.pin()  # ZeRO-1: plain parameters from on_fit_start on, as under DDP
         if fitting:  # [Note: weight averaging over the shards] in weight_averaging.py
@@ -228,6 +230,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                               "self.parameters() (or named_parameters()), after the strategy has sharded the module")
             self._step_hooks.append(opt.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))
             self._step_hooks.append(opt.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
+            self._step_hooks.append(engine.follow_zero_grad(F.unwrap(opt)))
         self.precision_plugin._mics_engine = engine  # [Note: evaluations inside a step] in schedule.py
 
     @override
