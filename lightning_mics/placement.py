@@ -255,6 +255,15 @@ class ShardedParam(_Placed):
         """This rank's chunk of a global parameter (e.g. from a full checkpoint) into the shard."""
         self.local.copy_(tp_part(full, self.tp_spec)[self.rows.lo:self.rows.hi])
 
+    @torch.no_grad()
+    def reattach(self, view: Tensor) -> None:
+        """``p.data = x`` on the plain parameter (a rebinding, not a write in place) moved it off ``view``, the unit's
+        storage: its values go into ``view`` and it views that again, so the write is taken as any other ([Note:
+        writes between steps] in unit.py). A DTensor's ``.data = x`` leaves its local tensor as it was (torch)."""
+        if self.full is not None and self.tp_spec is None and self.full.data_ptr() != view.data_ptr():
+            view.copy_(self.full.data)
+            self.full.data = view
+
     def make_full(self, view: Tensor) -> nn.Parameter:
         """The Parameter the modules hold while the unit runs: ``view`` itself, or with tensor parallelism a
         DTensor over it with the user's placement."""

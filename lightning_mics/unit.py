@@ -365,6 +365,7 @@ class Unit:
             gathered = Q.round_trip(self.shard_flat, self.quantize.block_size, self.param_dtype, self.kernels) \
                 if self._int8_gather else self.shard_flat
             for sp, full in zip(self.params, self.full_views):
+                sp.reattach(full)  # after ``p.data = x``
                 # the optimizer's rows: with rows over replicas the others cross in their exchange ([Note: rows
                 # between steps] in optimizer_rows.py), which with int8 deltas adds their change to the chunk
                 lo, hi = sp.rows.sub_lo, sp.rows.sub_hi

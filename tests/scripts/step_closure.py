@@ -7,6 +7,8 @@ strategy, one case after another in one process (one rank; ``compat.py``'s ``mai
   ``StochasticWeightAveraging`` does so for its batch-norm epoch); its closing step reuses the last gradients;
 - ``clamp_before_step``: every weight clamped in ``on_before_optimizer_step`` (after backward, before the update);
 - ``lbfgs``: LBFGS with ``max_iter=3``, its closure evaluated again after the masters moved;
+- ``data_assign``: ``p.data = p.data.clamp(...)`` after every step (ZeRO-1's plain parameters; on a DTensor torch
+  ignores it);
 - ``module_zero_grad``: manual optimization zeroing through the module (``self.zero_grad()``), half the steps with
   ``set_to_none=False``, the gradient norms read after each backward (inside the root's forward);
 - ``grads_seen``: ``on_before_optimizer_step`` reads the module's gradients (``lightning_mics.grad_norm``, as
@@ -54,6 +56,15 @@ class ClampBeforeStep(Callback):
                 p.clamp_(-0.05, 0.05)
 
 
+class RebindData(Callback):
+    """``p.data = p.data.clamp(...)`` after every step: a rebinding, not a write in place (WGAN-style clipping as
+    some code writes it)."""
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        for p in pl_module.parameters():
+            p.data = p.data.clamp(-0.05, 0.05)
+
+
 class ModuleZeroGrad(Base):
     """Manual optimization zeroing through the module, after the step (``set_to_none=False`` on odd steps)."""
 
@@ -97,6 +108,8 @@ def run_case(case, kind, world, rank, out):
         callbacks, extra = [NoBackward()], {"max_epochs": 3}
     elif base == "clamp_before_step":
         callbacks, extra = [ClampBeforeStep()], {"max_epochs": 2, "accumulate_grad_batches": 2}
+    elif base == "data_assign":
+        callbacks, extra = [RebindData()], {"max_epochs": 2}
     elif base == "lbfgs":
         m.optimizer, m.options = "LBFGS", {"max_iter": 3}
         extra = {"max_steps": 3}
