@@ -167,8 +167,7 @@ class MiCSEngine:
         """Pre-step hook of every optimizer: what user code wrote, into the masters ([``Schedule.take_writes``]);
         in a step that evaluates a closure, after each evaluation instead ([Note: evaluations inside a step])."""
         if not self._closure_step:
-            self.schedule.take_writes()
-            self._take_shown()
+            self._take_user_writes()
 
     @contextmanager
     def closure_step(self) -> Iterator[None]:
@@ -187,8 +186,7 @@ class MiCSEngine:
 
     def evaluated(self) -> None:
         """An evaluation of the step's closure ended (with the hooks that follow it): its writes, into the masters."""
-        self.schedule.take_writes()
-        self._take_shown()
+        self._take_user_writes()
         self._evaluated = True
 
     def follow_zero_grad(self, optimizer: torch.optim.Optimizer) -> ZeroGradHook:
@@ -196,9 +194,10 @@ class MiCSEngine:
         shown_grads.py); ``.remove()`` the returned handle when the run ends."""
         return ZeroGradHook(optimizer, lambda: [shown.follow() for shown in self.shown])
 
-    def _take_shown(self) -> None:
-        """What user code did to the gradients the plain parameters show, into the optimizer's ([Note: gradients
-        on the plain parameters] in shown_grads.py)."""
+    def _take_user_writes(self) -> None:
+        """What user code wrote to the plain parameters and to the gradients they show, into the masters and the
+        optimizer's gradients ([Note: gradients on the plain parameters] in shown_grads.py)."""
+        self.schedule.take_writes()
         for shown in self.shown:
             shown.take()
 

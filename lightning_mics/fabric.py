@@ -22,7 +22,7 @@ strategy in ``strategy.py``), with the same options (:class:`lightning_mics.conf
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any, Dict, Generator, List, Optional, Union
 
 import torch
@@ -192,11 +192,10 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         if self.options.stop_on_nonfinite:
             reliability.checked(lambda: None, F.unwrap(optimizer), lambda: self._steps, self.root_device)()
         engine = F.engine_holding(F.unwrap(optimizer))
+        step = nullcontext()
         if engine is not None and kwargs.get("closure") is not None:  # [Note: evaluations inside a step]
-            kwargs["closure"] = engine.evaluations(kwargs["closure"])  # in schedule.py
-            with engine.closure_step():
-                out = super().optimizer_step(optimizer, **kwargs)
-        else:
+            kwargs["closure"], step = engine.evaluations(kwargs["closure"]), engine.closure_step()  # in schedule.py
+        with step:
             out = super().optimizer_step(optimizer, **kwargs)
         self._steps += 1
         if engine is not None:

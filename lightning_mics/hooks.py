@@ -96,9 +96,8 @@ class Hooks:
             self.schedule.on_forward(unit)
             unit.finish_gather()
             if unit is self.root:  # user code may run inside it (manual optimization's training_step)
-                for shown in self.shown:
-                    if shown.unit is unit:
-                        shown.show()
+                for shown in self.shown:  # the root's (every pinned unit is the root)
+                    shown.show()
             unit.begin_forward()
             if not torch.is_grad_enabled():
                 return args, kwargs
@@ -132,7 +131,7 @@ class Hooks:
         """The root is entered from outside any forward: forget what a forward without backward left."""
         for unit in self.units:
             unit.clear_counters()
-        for shown in self.shown:  # the optimizer's zero_grad() since: off the plain parameters too
+        for shown in self.shown:  # a zero_grad() through the module, or of the optimizer's not seen by ``follow``
             shown.take()
         self.schedule.begin_iteration()
 

@@ -7,13 +7,15 @@ overflows on one rank's shard is skipped on every rank (``ShardedGradScaler``).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Optional, Tuple
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
 
-class _ShardedClip:
+class _OverShards:
+    """Clipping by norm over the sharded gradients; the step's closure bracketed for the engine."""
     _mics_clip = None  # set by the strategy: callable(optimizer, max_norm)
     _mics_engine = None  # set by the strategy: the engine whose masters the optimizers step
 
@@ -23,9 +25,7 @@ class _ShardedClip:
     # [Note: evaluations inside a step] in schedule.py: every step Lightning runs evaluates a closure (the training
     # step and its backward, then the hooks before the step and clipping: ``_after_closure``), inside the step
     def optimizer_step(self, optimizer, model, closure, **kwargs):  # type: ignore[override]
-        if self._mics_engine is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        with self._mics_engine.closure_step():
+        with self._mics_engine.closure_step() if self._mics_engine is not None else nullcontext():
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
     def _wrap_closure(self, model, optimizer, closure):  # type: ignore[override]
@@ -39,15 +39,15 @@ class _ShardedClip:
             self._mics_engine.evaluated()
 
 
-class MiCSPrecision(_ShardedClip, Precision):
+class MiCSPrecision(_OverShards, Precision):
     pass
 
 
-class MiCSMixedPrecision(_ShardedClip, MixedPrecision):
+class MiCSMixedPrecision(_OverShards, MixedPrecision):
     pass
 
 
-class MiCSHalfPrecision(_ShardedClip, HalfPrecision):
+class MiCSHalfPrecision(_OverShards, HalfPrecision):
     pass
 
 
@@ -65,7 +65,7 @@ def sharded_scaler(user: Optional[torch.amp.GradScaler], device: str) -> torch.a
 
 def to_mics_precision(plugin: Precision, device: torch.device) -> Precision:
     """Maps Lightning's generic plugin to ours; any other plugin is refused with a clear message."""
-    if isinstance(plugin, _ShardedClip):
+    if isinstance(plugin, _OverShards):
         return plugin
     if type(plugin) is Precision:
         return MiCSPrecision()

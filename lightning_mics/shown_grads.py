@@ -74,6 +74,9 @@ class ShownGrads:
         self.seen[k] = None if self.shown[k] is g else local(self.shown[k]).clone()
         sp.full.grad = self.shown[k]
 
+    def _unshow(self, k: int) -> None:
+        self.params[k].full.grad = self.shown[k] = self.seen[k] = None
+
     def show(self) -> None:
         """The optimizer's gradients on the plain parameters, if the unit is gathered: after the boundary published
         them, when the unit is gathered for a forward (not on a tensor-parallel part: a DTensor)."""
@@ -82,7 +85,7 @@ class ShownGrads:
         for k, sp in enumerate(self.params):
             if sp.sharded.grad is None:
                 if self.shown[k] is not None and sp.full.grad is self.shown[k]:  # zeroed while released
-                    sp.full.grad = self.shown[k] = self.seen[k] = None
+                    self._unshow(k)
             elif sp.full.requires_grad and not isinstance(sp.full, DTensor):
                 if k not in self._handles:
                     self._handles[k] = sp.full.register_hook(self._before_accumulate(k))
@@ -97,19 +100,21 @@ class ShownGrads:
             sp = self.params[k]
             now, own = sp.full.grad, sp.sharded.grad
             if now is None:  # zero_grad()
-                sp.sharded.grad = self.shown[k] = self.seen[k] = None
+                sp.sharded.grad = None
+                self._unshow(k)
             elif now is not shown:  # replaced
                 if not (isinstance(now, DTensor) and now.placements == sp.sharded.placements
                         and now.shape == sp.sharded.shape):
                     raise ValueError(
                         f"MiCSStrategy: a plain parameter's .grad was replaced by a {type(now).__name__} of shape "
-                        f"{tuple(now.shape)}; under the optimizer-state-only layout it shows the optimizer's "
-                        f"gradient, a DTensor placed {sp.sharded.placements}. Allowed: writing it in place, setting "
-                        "it to None, or a DTensor of the same placements (p.grad = p.grad * c).")
+                        f"{tuple(now.shape)}; a plain parameter (ZeRO-1's, or the root unit's in manual "
+                        f"optimization) shows the optimizer's gradient, a DTensor placed {sp.sharded.placements}. "
+                        "Allowed: writing it in place, setting it to None, or a DTensor of the same placements "
+                        "(p.grad = p.grad * c).")
                 sp.sharded.grad = now.detach().to(sp.sharded.dtype)
                 self._show(k)
-            elif own is None:  # the optimizer's zero_grad(): what it showed is gone
-                sp.full.grad = self.shown[k] = self.seen[k] = None
+            elif own is None:  # the optimizer's gradient set to None by a path ``follow`` did not see
+                self._unshow(k)
             elif shown is not own:  # a copy in a lower dtype: the elements written since
                 theirs, seen = local(shown), self.seen[k]
                 if not theirs.any():  # zeroed in place (fp16 copies round the smallest gradients to zero)
@@ -125,7 +130,7 @@ class ShownGrads:
             if self.shown[k] is None:
                 continue
             if sp.sharded.grad is None:
-                sp.full.grad = self.shown[k] = self.seen[k] = None
+                self._unshow(k)
             elif self.shown[k] is not sp.sharded.grad:  # a copy: shown again
                 self._show(k)
 
@@ -135,7 +140,7 @@ class ShownGrads:
             if self.shown[k] is not None:
                 self.take(k)
             if self.shown[k] is not None:
-                self.params[k].full.grad = self.shown[k] = self.seen[k] = None
+                self._unshow(k)
 
     def remove(self) -> None:
         """The run ends: the shown gradients off the plain parameters, the hooks removed."""
