@@ -66,7 +66,8 @@ def test_weight_averaging_under_bf16_mixed_keeps_fp32_and_resumes_exactly(runs, 
 # -- Lightning's StochasticWeightAveraging (tests/scripts/swa.py) ---------------------------------------------------
 @pytest.fixture(scope="module")
 def swa_runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "scripts" / "swa.py", tmp_path_factory, lambda kind: ["swa", "swa_bn"])
+    return CaseRuns(REPO / "tests" / "scripts" / "swa.py", tmp_path_factory, lambda kind: ["swa", "swa_bn"]
+                    + (["swa_bf16"] if kind in ("mics", "mics_os") else []))
 
 
 @pytest.mark.parametrize("case", ["swa", "swa_bn"])
@@ -93,3 +94,14 @@ def test_stochastic_weight_averaging_equals_ddp_and_resumes_exactly(swa_runs, ki
 @pytest.mark.parametrize("kind,world", LAYOUTS)
 def test_the_stochastic_average_is_held_in_shards(swa_runs, kind, world):
     assert_held_in_shards(swa_runs.load(kind, world, "swa"), kind)
+
+
+@pytest.mark.parametrize("kind,world", [("mics", 2), ("mics_os", 4)])
+def test_stochastic_weight_averaging_under_bf16_mixed_keeps_fp32_and_resumes_exactly(swa_runs, kind, world):
+    """Under bf16-mixed the average is of the fp32 masters' shards, the parameters after fit are fp32, and the fit
+    resumed mid-average is the uninterrupted one bit for bit."""
+    got = swa_runs.load(kind, world, "swa_bf16")
+    assert got["average_dtypes"] == ["torch.float32"]
+    assert {str(t.dtype) for t in got["params"].values()} == {"torch.float32"}
+    assert max_diff(got["resumed"], got["params"]) == 0.0
+    assert got["resumed_losses"] == got["losses"][2:]

@@ -4,6 +4,7 @@ lightning_mics/weight_averaging.py), one case after another in one process (one 
     python swa.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp --cases swa,swa_bn
 
 - ``swa``: AdamW with a StepLR schedule (the callback swaps in its SWALR from epoch 2), validation every epoch;
+- ``swa_bf16``: ``swa`` under ``bf16-mixed``;
 - ``swa_bn``: SGD with momentum, a batch norm before the head: after the last epoch the callback copies the average
   in and runs one more epoch of forwards without backward to recompute the running statistics, whose closing step
   reuses the last gradients (zeroed by the validation's ``on_validation_model_zero_grad``).
@@ -65,7 +66,8 @@ def run_case(case, kind, world, rank, out):
     def fit(m, ckpt_path=None):
         strategy = strategy_for(base, state_dict_type="full") if kind.endswith("_full") else strategy_of(kind)
         callback = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2, annealing_epochs=2)
-        trainer = trainer_for(base, world, max_epochs=5, limit_val_batches=2, strategy=strategy, callbacks=[callback])
+        trainer = trainer_for(base, world, max_epochs=5, limit_val_batches=2, strategy=strategy, callbacks=[callback],
+                              precision="bf16-mixed" if case.endswith("_bf16") else "32-true")
         trainer.fit(m, loader(ds, base, world, rank), loader(ds, base, world, rank), ckpt_path=ckpt_path)
         return callback
 
@@ -74,6 +76,7 @@ def run_case(case, kind, world, rank, out):
     callback = fit(first)
     average = [p.detach() for p in callback._average_model.parameters()]
     result = {"losses": first.losses, "params": params(first),
+              "average_dtypes": sorted({str(p.dtype) for p in average}),
               "buffers": {n: b.clone() for n, b in first.named_buffers()},
               "average_types": sorted({type(p).__name__ for p in average}),
               "average_held": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in average),
