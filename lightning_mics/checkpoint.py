@@ -170,7 +170,7 @@ def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None, settle: 
     exchanged first (collective); not once a load has written the chunks."""
     sd = get_model_state_dict(module)
     if engine is not None:
-        if settle:  # [Note: writes between steps] in unit.py, [Note: rows between steps] in optimizer_rows.py
+        if settle:  # [Note: writes between steps] in lent.py, [Note: rows between steps] in optimizer_rows.py
             engine.settle_masters()
         # the chunks as saved without optimizer rows over replicas (``held``), so checkpoints do not depend on it
         held = {id(q): p.held for u in engine.units for p in u.all_params() for q in (p.full, p.sharded)}
@@ -279,7 +279,7 @@ def _model_target(path: Path, index: Metadata, key: str, module: nn.Module, stri
                   engine: Optional[MiCSEngine]) -> Dict[str, Any]:
     """The module's own state (its shards, read in place) for the entries saved under ``key``. Every unit is
     released first (collective): a unit kept gathered (ZeRO-1's pinned one) would go on computing with, and later
-    take back, parameters from before the load ([Note: writes between steps] in unit.py)."""
+    take back, parameters from before the load ([Note: writes between steps] in lent.py)."""
     saved = {where[0]: md for where, md in _saved(index, key)}
     if engine is not None:
         engine.quiesce()  # the rows settled too: the target needs no second exchange

@@ -22,11 +22,12 @@ from lightning_mics.activations import ActivationCheckpointing, plan_groups
 from lightning_mics.config import MiCSOptions, optimizer_state_only as zero1
 from lightning_mics.hooks import Hooks
 from lightning_mics.materialize import has_meta, materialize
+from lightning_mics.optimizer_hooks import MethodHook, StepWatch, held_optimizers
 from lightning_mics.placement import ReplicatedParam, local
 from lightning_mics.replicated import ReplicatedReducer
 from lightning_mics.gradients import GradientPath
 from lightning_mics.schedule import Schedule
-from lightning_mics.shown_grads import ShownGrads, ZeroGradHook
+from lightning_mics.shown_grads import ShownGrads
 from lightning_mics.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.telemetry import CommLog
 from lightning_mics.topology import Topology
@@ -63,8 +64,8 @@ class MiCSEngine:
                                   options.quantization_block_size)  # [Note: quantized traffic] in config.py
         self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, kernels=kernels,
                            log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only, quantize=quantize,
-                           optimizer_over_replicas=over_replicas)
-                      for up in plan.units]
+                           optimizer_over_replicas=over_replicas, lends=i == 0)  # the root: [Note: masters moved
+                      for i, up in enumerate(plan.units)]  # outside a step] in lent.py
         self.device = device
         by_param = {id(rp.full): rp for rp in self.replicated}
         order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
@@ -88,6 +89,7 @@ class MiCSEngine:
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
         self.activations = ActivationCheckpointing(groups, activation_offload, self.log) if groups else None
         self._closure_step = self._evaluated = False  # [Note: evaluations inside a step] in schedule.py
+        self._steps = StepWatch(self.before_optimizer_step, self.after_optimizer_step)  # ``watch_steps``
 
     def _entry_modules(self, unit: Unit, plan: UnitPlan) -> List[nn.Module]:
         """Where a unit is entered: its module; for the root also every module holding a root parameter,
@@ -155,19 +157,38 @@ class MiCSEngine:
                 unit.finish_gather()
 
     def settle_masters(self) -> None:
-        """Every unit's masters as the module holds them ([Note: writes between steps] in unit.py) and its chunks
+        """Every unit's masters as the module holds them ([Note: writes between steps] in lent.py) and its chunks
         as the replicas agree on them ([Note: rows between steps] in optimizer_rows.py): before they are saved.
         Collective over the replica group."""
+        self.refuse_rebinding()
         self.schedule.take_writes()
         self.schedule.exchange_rows()
         for unit in self.units:
             unit.settle_rows()
 
+    def watch_steps(self, optimizer: torch.optim.Optimizer) -> List[MethodHook]:
+        """The engine hears of the steps of ``optimizer`` and of the optimizers it holds, and of their ``zero_grad``
+        ([Note: steps the engine hears of] in optimizer_hooks.py). ``.remove()`` the returned hooks when the run
+        ends."""
+        return self._steps.watch(optimizer) + [self.follow_zero_grad(opt) for opt in held_optimizers(optimizer)]
+
     def before_optimizer_step(self) -> None:
         """Pre-step hook of every optimizer: what user code wrote, into the masters ([``Schedule.take_writes``]);
         in a step that evaluates a closure, after each evaluation instead ([Note: evaluations inside a step])."""
+        self.refuse_rebinding()
         if not self._closure_step:
             self._take_user_writes()
+
+    def refuse_rebinding(self) -> None:
+        """ValueError if user code ran ``p.data = x`` on a DTensor parameter: torch ignores it there (as under FSDP2),
+        and the run would go on from values the user meant to replace (SAM's reference code puts its weights back
+        so). Checked when the masters are read: around every step, before a save."""
+        for p in (p for u in self.units for p in u.all_params()):
+            if p.rebound():
+                raise ValueError(
+                    f"MiCSStrategy: `p.data = x` on the parameter {p.fqn!r}, a DTensor the optimizer steps, did "
+                    "nothing: torch leaves a DTensor's local tensor as it was (pytorch/pytorch#157391), as under "
+                    "FSDP2. Write in place instead: `p.copy_(x)` under torch.no_grad(), or `p.data.copy_(x)`.")
 
     @contextmanager
     def closure_step(self) -> Iterator[None]:
@@ -189,10 +210,10 @@ class MiCSEngine:
         self._take_user_writes()
         self._evaluated = True
 
-    def follow_zero_grad(self, optimizer: torch.optim.Optimizer) -> ZeroGradHook:
+    def follow_zero_grad(self, optimizer: torch.optim.Optimizer) -> MethodHook:
         """The shown gradients follow ``optimizer.zero_grad()`` ([Note: gradients on the plain parameters] in
         shown_grads.py); ``.remove()`` the returned handle when the run ends."""
-        return ZeroGradHook(optimizer, lambda: [shown.follow() for shown in self.shown])
+        return MethodHook(optimizer, "zero_grad", after=lambda: [shown.follow() for shown in self.shown])
 
     def _take_user_writes(self) -> None:
         """What user code wrote to the plain parameters and to the gradients they show, into the masters and the
@@ -212,6 +233,7 @@ class MiCSEngine:
 
     def after_optimizer_step(self) -> None:
         """Post-step hook of every optimizer ([``Schedule.after_optimizer_step``])."""
+        self.refuse_rebinding()
         self.schedule.after_optimizer_step()
 
     def sync(self) -> None:
@@ -251,6 +273,7 @@ class MiCSEngine:
         run ends] in optimizer_rows.py; 0: what has arrived is taken)."""
         self.grads.reset(keep_feedback)
         self.hooks.reset()
+        self._steps.running = 0
         rows_deadline = time.monotonic() + rows_wait_s
         for unit in self.units:
             unit.drop(rows_deadline)
@@ -278,6 +301,7 @@ class MiCSEngine:
         params += sum(nbytes(t) for u in self.units if u.optimizer_rows is not None
                       for t in u.optimizer_rows.buffers())  # [Note: rows between steps] in optimizer_rows.py
         params += sum(nbytes(u.full_flat) for u in self.units if u.pinned)  # whole on every rank, kept
+        params += sum(nbytes(u.lent.base) for u in self.units if u.pinned)  # [Note: masters moved outside a step]
         grads = 0
         for u in self.units:
             grads += nbytes(self.grads.of(u).accum)

@@ -165,9 +165,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                  "fabric.setup(model, optimizer)")
         F.check_optimizer(engine or self._engines[-1], optimizer, where)
         if engine is not None:
-            self._step_hooks.append(optimizer.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))
-            self._step_hooks.append(optimizer.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
-            self._step_hooks.append(engine.follow_zero_grad(optimizer))
+            self._step_hooks.extend(engine.watch_steps(optimizer))
         self._optimizers.append(optimizer)
         return optimizer
 

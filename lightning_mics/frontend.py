@@ -63,6 +63,7 @@ from lightning_mics import topology as T
 from lightning_mics.clip import clip_grad_norm_
 from lightning_mics.config import MiCSOptions, optimizer_state_only
 from lightning_mics.engine import MiCSEngine
+from lightning_mics.optimizer_hooks import held_optimizers
 from lightning_mics.optimizer_support import step_refusal
 from lightning_mics.topology import Topology, build_topology, plan_layout
 
@@ -297,12 +298,13 @@ def engine_holding(optimizer: torch.optim.Optimizer) -> Optional[MiCSEngine]:
 def point_at_shards(optimizer: torch.optim.Optimizer) -> None:
     """A unit kept gathered (by a forward with grad and no backward yet, or ZeRO-1's pinned one) lends the module
     its plain parameters, so an optimizer built from ``model.parameters()`` then holds them: one with no state yet
-    is pointed at their shards, as if built while the unit was released."""
-    if optimizer.state:
-        return
+    is pointed at their shards, as if built while the unit was released; so are the optimizers it holds (SAM's
+    ``base_optimizer``)."""
     shards = {id(p.full): p.sharded for e in live_engines() for u in e.units for p in u.all_params()}
-    for group in optimizer.param_groups:
-        group["params"][:] = [shards.get(id(p), p) for p in group["params"]]  # in place: LBFGS holds the list
+    for opt in held_optimizers(optimizer):
+        if not opt.state:
+            for group in opt.param_groups:
+                group["params"][:] = [shards.get(id(p), p) for p in group["params"]]  # in place: LBFGS holds it
 
 
 def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where: str) -> None:
@@ -310,16 +312,17 @@ def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where:
     whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer),
     before any step."""
     ours = {id(p) for p in engine.sharded_params()}
-    for group in optimizer.param_groups:
+    for group in (g for opt in held_optimizers(optimizer) for g in opt.param_groups):
         for p in group["params"]:
             if id(p) not in ours:
                 raise ValueError(
                     "MiCSStrategy: an optimizer holds a parameter that is not one of the module's own "
                     f"(shape {tuple(p.shape)}). {where}; parameters captured earlier (e.g. in __init__, or before "
                     "the module was set up) are no longer the module's.")
-    reason = step_refusal(optimizer)
-    if reason is not None:
-        raise ValueError(reason)
+    for opt in held_optimizers(optimizer):  # SAM's base optimizer steps the shards too
+        reason = step_refusal(opt)
+        if reason is not None:
+            raise ValueError(reason)
 
 
 def log_model_state(engine: MiCSEngine, rank: int, log: logging.Logger) -> None:

@@ -10,7 +10,7 @@ micro-batches of a window (moved into reduce_dtype accumulators at the end of ea
 so bf16 gradients are summed in fp32 as the per-micro-batch reduce-scatter sums them otherwise); at the boundary they
 are reduce-scattered once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor shards, with 1/W of
 the optimizer state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. A
-save or a state dict keeps it pinned and takes what user code wrote first ([Note: writes between steps] in unit.py); a
+save or a state dict keeps it pinned and takes what user code wrote first ([Note: writes between steps] in lent.py); a
 load releases it and the front end gathers it again from the loaded masters; only the end of a run unpins it.
 """
 

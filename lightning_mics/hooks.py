@@ -17,9 +17,12 @@ end of backward:        a callback on the autograd engine reduces what is left, 
                         across the replica group (MiCS 2-hop sync) and the replicated parameters' gradients
                         across the world, and adds the result to the DTensor parameters' ``.grad`` (added, as
                         plain PyTorch does, when the user has not zeroed them).
-optimizer step:         the user's optimizer steps the DTensor shards ([Note: placement] in placement.py); a
-                        post-step hook refreshes any unit that is still gathered (manual optimization steps inside
-                        the root's forward) and drops stale prefetches (``Schedule.after_optimizer_step``).
+optimizer step:         the user's optimizer steps the DTensor shards ([Note: placement] in placement.py); after it
+                        ([Note: steps the engine hears of] in optimizer_hooks.py) any unit that is still gathered is
+                        refreshed (manual optimization steps inside the root's forward) and stale prefetches are
+                        dropped (``Schedule.after_optimizer_step``); one that a backward and user code left gathered
+                        without a step is gathered again when a forward next enters it ([Note: masters moved
+                        outside a step] in lent.py).
 
 [Note: hooks under torch.compile]
 Dynamo would trace into the forward hooks (they wait on collectives, resize storages, swap module attributes and
@@ -89,7 +92,8 @@ class Hooks:
             if in_backward():  # recomputation inside backward (activation checkpointing): gather if released
                 self.schedule.gather_for_recompute(unit)
                 return args, kwargs
-            if not unit.enter_forward():
+            if not unit.enter_forward():  # a nested call (manual optimization's forward inside the root's)
+                self.schedule.catch_up(unit)
                 return args, kwargs
             if unit is self.root:
                 self._begin_iteration()
@@ -99,6 +103,7 @@ class Hooks:
                 for shown in self.shown:  # the root's (every pinned unit is the root)
                     shown.show()
             unit.begin_forward()
+            self.schedule.catch_up(unit)
             if not torch.is_grad_enabled():
                 return args, kwargs
             flat, spec = tree_flatten((args, kwargs))

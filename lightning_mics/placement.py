@@ -210,6 +210,14 @@ class _Placed:
         """A gradient or optimizer-state tensor of the local shape as a DTensor of this parameter's spec."""
         return as_dtensor(local_tensor, self.spec)
 
+    def _watch_rebinding(self) -> None:
+        self._alias = self.sharded.data  # shares the wrapper's own storage, which ``p.data = x`` replaces
+
+    def rebound(self) -> bool:
+        """Whether user code ran ``p.data = x`` on the DTensor, which torch leaves without effect: its local tensor
+        (the masters) stays as it was (pytorch#157391). The wrapper then no longer aliases what it did."""
+        return not torch._C._is_alias_of(self.sharded, self._alias)
+
 
 class ShardedParam(_Placed):
     """One sharded parameter: its padded region of the unit's flat shard, the DTensor the optimizer steps,
@@ -231,6 +239,7 @@ class ShardedParam(_Placed):
         self.local = region[: rows.local_rows]  # the chunk this rank holds (and gathers from)
         self.stepped = self.local[rows.sub_lo:rows.sub_hi] if over_replicas else self.local  # the optimizer's rows
         self.sharded = nn.Parameter(as_dtensor(self.stepped, self.spec), requires_grad=orig.requires_grad)
+        self._watch_rebinding()
         # what a sharded checkpoint holds: the chunk, in the layout without optimizer rows over replicas
         self.held = as_dtensor(self.local, make_spec(mesh, True, orig.shape, flat_shard.dtype,
                                                      tp_placement(orig))) if over_replicas else self.sharded
@@ -259,7 +268,7 @@ class ShardedParam(_Placed):
     def reattach(self, view: Tensor) -> None:
         """``p.data = x`` on the plain parameter (a rebinding, not a write in place) moved it off ``view``, the unit's
         storage: its values go into ``view`` and it views that again, so the write is taken as any other ([Note:
-        writes between steps] in unit.py). A DTensor's ``.data = x`` leaves its local tensor as it was (torch)."""
+        writes between steps] in lent.py). A DTensor's ``.data = x`` leaves its local tensor as it was (torch)."""
         if self.full is not None and self.tp_spec is None and self.full.data_ptr() != view.data_ptr():
             view.copy_(self.full.data)
             self.full.data = view
@@ -290,6 +299,7 @@ class ReplicatedParam(_Placed):
         self.spec = make_spec(mesh, False, orig.shape, data.dtype, tp_placement(orig))
         self.local = data
         self.sharded = nn.Parameter(as_dtensor(data, self.spec), requires_grad=orig.requires_grad)
+        self._watch_rebinding()
         self.full = nn.Parameter(as_dtensor(data, self.tp_spec) if self.tp_spec is not None else data,
                                  requires_grad=orig.requires_grad)
         self.held = self.sharded  # what a sharded checkpoint holds (as ``ShardedParam.held``)

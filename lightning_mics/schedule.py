@@ -164,7 +164,7 @@ class Schedule:
         if not (grad and self.keep_after_forward(unit)):
             unit.release()
         elif not unit.pinned:  # a pinned unit's writes are taken before the step reads the masters
-            unit.exposed = True  # [Note: writes between steps] in unit.py
+            unit.exposed = True  # [Note: writes between steps] in lent.py
         if unit is self.root and not grad:
             self.quiesce(pinned=False)
 
@@ -179,8 +179,21 @@ class Schedule:
     def after_backward(self, unit: Unit, boundary: bool) -> None:
         if self.releases_after_backward(unit, boundary):
             unit.release()
-        elif not unit.pinned:  # a pinned unit's writes are taken before the step reads the masters
-            unit.exposed = True  # [Note: writes between steps] in unit.py
+            return
+        if not unit.pinned:  # a pinned unit's writes are taken before the step reads the masters
+            unit.exposed = True  # [Note: writes between steps] in lent.py
+        if boundary and (unit.pinned or unit.depth > 0):  # [Note: masters moved outside a step] in lent.py
+            unit.may_fall_behind()
+
+    def catch_up(self, unit: Unit) -> None:
+        """A forward enters ``unit``: if the masters may have moved since its plain parameters were filled, what user
+        code wrote to them is taken, the rows cross the replicas and the unit is gathered again ([Note: masters moved
+        outside a step] in lent.py). Collective over the shard group (and the replica group with rows over replicas),
+        decided alike on every rank."""
+        if unit.behind:
+            unit.take_writes()
+            self.exchange_rows()
+            unit.refresh()
 
     def quiesce(self, pinned: bool = True) -> None:
         """Releases every unit that is not running (waiting for its prefetch): before a state dict or a save,
@@ -198,7 +211,7 @@ class Schedule:
 
     def take_writes(self) -> None:
         """Every gathered unit's plain parameters into the masters where user code wrote them, before the masters
-        are read: the optimizers' pre-step hook, a sharded save ([Note: writes between steps] in unit.py)."""
+        are read: the optimizers' pre-step hook, a sharded save ([Note: writes between steps] in lent.py)."""
         for unit in self.units:
             unit.take_writes()
 

@@ -25,7 +25,7 @@ before a backward adds to it):
 
 - set to None (``zero_grad()``): the optimizer's gradient is set to None;
 - written in place: the same tensor, so already there; a copy's elements that changed since it was shown are taken
-  (bit for bit, as [Note: writes between steps] in unit.py takes parameters). A copy is not updated when the
+  (bit for bit, as [Note: writes between steps] in lent.py takes parameters). A copy is not updated when the
   engine changes the optimizer's gradient (clipping by norm, the loss scaler's unscaling): read it before those;
 - replaced by another DTensor of the same placements (``p.grad = p.grad * c``): taken as the optimizer's gradient;
   any other tensor is refused with a ``ValueError``;
@@ -40,14 +40,15 @@ again this rank's own gradient of the window, as the reduction expects.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_mics.lent import bits
 from lightning_mics.placement import local
-from lightning_mics.unit import ShardedState, Unit, _bits
+from lightning_mics.unit import ShardedState, Unit
 
 
 class ShownGrads:
@@ -120,7 +121,7 @@ class ShownGrads:
                 if not theirs.any():  # zeroed in place (fp16 copies round the smallest gradients to zero)
                     local(own).zero_()
                 else:
-                    written = _bits(theirs) != _bits(seen)
+                    written = bits(theirs) != bits(seen)
                     local(own).copy_(torch.where(written, theirs.to(own.dtype), local(own)))
                 seen.copy_(theirs)
 
@@ -151,21 +152,3 @@ class ShownGrads:
         for h in self._handles.values():
             h.remove()
         self._handles.clear()
-
-
-class ZeroGradHook:
-    """Runs ``after`` after every ``optimizer.zero_grad()`` (torch has no hook there): the method is wrapped on the
-    instance, which Lightning's and Fabric's optimizer wrappers call; ``remove`` restores the class's."""
-
-    def __init__(self, optimizer: Any, after: Callable[[], None]) -> None:
-        self.optimizer = optimizer
-        original = optimizer.zero_grad
-
-        def zero_grad(*args: Any, **kwargs: Any) -> Any:
-            out = original(*args, **kwargs)
-            after()
-            return out
-        optimizer.zero_grad = zero_grad
-
-    def remove(self) -> None:
-        self.optimizer.__dict__.pop("zero_grad", None)

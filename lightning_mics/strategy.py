@@ -228,9 +228,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             F.point_at_shards(F.unwrap(opt))
             F.check_optimizer(engine, F.unwrap(opt), "Build optimizers in configure_optimizers from "
                               "self.parameters() (or named_parameters()), after the strategy has sharded the module")
-            self._step_hooks.append(opt.register_step_pre_hook(lambda *_: engine.before_optimizer_step()))
-            self._step_hooks.append(opt.register_step_post_hook(lambda *_: engine.after_optimizer_step()))
-            self._step_hooks.append(engine.follow_zero_grad(F.unwrap(opt)))
+            self._step_hooks.extend(engine.watch_steps(F.unwrap(opt)))
         self.precision_plugin._mics_engine = engine  # [Note: evaluations inside a step] in schedule.py
 
     @override

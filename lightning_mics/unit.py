@@ -16,6 +16,7 @@ from torch import Tensor
 
 from lightning_mics import collectives as C
 from lightning_mics import quantized as Q
+from lightning_mics.lent import Lent
 from lightning_mics.optimizer_rows import OptimizerRows
 from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
 from lightning_mics.sharding import UnitPlan
@@ -38,11 +39,6 @@ def _weak_hook(fn: Callable, arg: Any = None) -> Callable[[Tensor], None]:
         if f is not None and a is not None:
             f(a)
     return hook
-
-
-def _bits(t: Tensor) -> Tensor:
-    """``t``'s bits as integers of its width: a bit-for-bit compare."""
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 # [Note: unit lifecycle]
@@ -79,7 +75,10 @@ class Unit:
     def __init__(self, plan: UnitPlan, topo: Topology, *, param_dtype: Optional[torch.dtype],
                  reduce_dtype: torch.dtype, kernels: str, log: CommLog, device: torch.device,
                  nodes: Optional[C.NodeGroups] = None, pinned: bool = False,
-                 quantize: Optional[Q.QuantizeSpec] = None, optimizer_over_replicas: bool = False) -> None:
+                 quantize: Optional[Q.QuantizeSpec] = None, optimizer_over_replicas: bool = False,
+                 lends: bool = False) -> None:
+        """``lends``: the unit may stay gathered while user code runs (the root, a pinned unit): [Note: masters moved
+        outside a step] in lent.py."""
         self.path = plan.path or "<root>"
         self.quantize = quantize or Q.QuantizeSpec()  # quantize_allgather: the two-hop gather's first hop in int8
         self.module = plan.module
@@ -132,6 +131,7 @@ class Unit:
             sp.full = sp.make_full(view)
             start += n
         self.full_flat.untyped_storage().resize_(0)
+        self.lent = Lent(self.params, self.full_views, self.shard_flat, self._delivered, keeps_base=lends or pinned)
 
         self.replicated: List[ReplicatedParam] = [
             ReplicatedParam(i, pp.refs, pp.param, topo.mesh, device) for i, pp in enumerate(plan.replicated)]
@@ -140,7 +140,7 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.is_prefetched = False  # issued by the schedule, not yet run
         self.pinned = pinned  # gathered once and kept ([Note: optimizer-state-only sharding] in gradients.py)
-        self.exposed = False  # kept gathered after a pass: user code may write it ([Note: writes between steps])
+        self.exposed = False  # kept gathered after a pass: user code may write it (lent.py)
         self.depth = 0  # nested forward calls in progress
         self.pending_post_backward = 0  # forward calls whose post-backward has not fired
         self.registered_post_backward = 0  # forward calls (this iteration) that hooked their inputs
@@ -262,6 +262,7 @@ class Unit:
         if self.state is not ShardedState.SHARDED:
             return
         self.settle_rows()
+        self.lent.filled()
         if self.params:
             self._gather = self._all_gather(async_op=True)
         self.state = ShardedState.GATHERING
@@ -316,38 +317,21 @@ class Unit:
             self.full_flat.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
         self.is_prefetched = self.exposed = False
+        self.lent.returned()
         self.log.live(-self.full_numel)
 
     def refresh(self) -> None:
-        """After an optimizer step, a unit still in use gets the new values ([Note: version counters])."""
+        """After an optimizer step, a unit still in use gets the new values ([Note: version counters]); also a unit
+        behind the masters ([Note: masters moved outside a step] in lent.py)."""
         if not self.params or self.state is not ShardedState.GATHERED:
             return
         self.settle_rows()
+        self.lent.filled()
         out = C.gathered(self._all_gather(async_op=False), self.log)
         self._settle_full()
         with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
             C.copy_out(out, self.full_views, self.s, self.kernels)
 
-    # [Note: writes between steps]
-    # A unit that stays gathered while user code runs lends it plain parameters (``full_flat``), not the masters the
-    # optimizer steps (``shard_flat``): a pinned unit between steps ([Note: optimizer-state-only sharding] in
-    # gradients.py), whose refresh after the next step overwrites them from the masters, and a unit kept gathered after
-    # a pass (``exposed``: the root between the micro-batches of a window, [Note: keep for backward] in schedule.py),
-    # whose release frees them. A write to them (a clamp after the step or after a micro-batch, weights swapped in for
-    # validation and back) would be lost: before the clamp between micro-batches was taken, it ended 0.0094 from DDP on
-    # 4 ranks at s = 2. So before the masters are read (the optimizers' pre-step hook, which Lightning runs before the
-    # closure's forward; a sharded save, which saves the masters: before, a save right after a clamp held the unclamped
-    # weights, 0.034 from DDP's checkpoint under ZeRO-1 on 2 ranks), when a pass next uses a kept unit (its forward or
-    # its backward begins: before its reduce-scatter may stage in the full storage) and before the plain parameters are
-    # freed otherwise (a release) each rank takes its own rows of them (the optimizer's) into its masters where they
-    # differ from what its gather delivered (the master rounded to param_dtype, or its int8 round trip with
-    # quantize_allgather): the elements left alone keep the master's bits. Every rank of a shard group holds the same
-    # plain parameters and takes its own rows, so the masters agree with them everywhere (with rows over replicas once
-    # the rows have crossed). A pinned unit is never marked exposed: its writes are taken only when the masters are
-    # read, since a write undone before then (weights swapped in for validation and back) would otherwise round the
-    # masters to the param_dtype copies it restores (0.013 from DDP under bf16-mixed). A save made while such a write is
-    # in place (an average swapped in) saves it, as DDP's does; under bf16-mixed the copies restored after it then round
-    # those masters at the next step.
     def take_exposed(self) -> None:
         """A pass uses a unit kept gathered since the last one: what user code wrote in between, into the masters."""
         if self.exposed:
@@ -355,25 +339,28 @@ class Unit:
             self.exposed = False
 
     def take_writes(self) -> None:
-        """[Note: writes between steps]: a gathered unit's plain parameters into this rank's master rows, wherever
-        a write outside the optimizer step changed them."""
-        if self.state is not ShardedState.GATHERED or not self.params:
-            return
-        with torch.no_grad():
-            # as the gather delivered the shard: the int8 round trip of the whole shard (its blocks span
-            # parameters), or each parameter's own rows rounded to param_dtype (only those: 1/r of a ZeRO-1 shard)
-            gathered = Q.round_trip(self.shard_flat, self.quantize.block_size, self.param_dtype, self.kernels) \
-                if self._int8_gather else self.shard_flat
-            for sp, full in zip(self.params, self.full_views):
-                sp.reattach(full)  # after ``p.data = x``
-                # the optimizer's rows: with rows over replicas the others cross in their exchange ([Note: rows
-                # between steps] in optimizer_rows.py), which with int8 deltas adds their change to the chunk
-                lo, hi = sp.rows.sub_lo, sp.rows.sub_hi
-                own, master = full[sp.rows.lo + lo:sp.rows.lo + hi], sp.stepped
-                if own.numel():
-                    before = OptimizerRows.chunk_of(gathered, sp)[lo:hi].to(self.param_dtype)
-                    written = _bits(own) != _bits(before)  # bit for bit (and integer compares vectorize on CPU)
-                    master.copy_(torch.where(written, own.to(master.dtype), master))
+        """[Note: writes between steps] in lent.py: a gathered unit's plain parameters into this rank's master rows,
+        wherever a write outside the optimizer step changed them."""
+        if self.state is ShardedState.GATHERED and self.params:
+            self.lent.take()
+
+    @property
+    def behind(self) -> bool:
+        """Whether the masters may have moved since the plain parameters were filled ([Note: masters moved outside
+        a step] in lent.py)."""
+        return self.state is ShardedState.GATHERED and self.lent.behind
+
+    def may_fall_behind(self) -> None:
+        """A backward that ends an accumulation window ran while user code holds the unit gathered: the masters
+        may move before its next forward ([Note: masters moved outside a step] in lent.py)."""
+        if self.state is ShardedState.GATHERED and self.params:
+            self.lent.behind = True
+
+    def _delivered(self, shard: Tensor) -> Tensor:
+        """``shard`` as its gather delivers it, up to the cast to param_dtype: itself, or the int8 round trip of
+        the whole shard (its blocks span parameters)."""
+        return Q.round_trip(shard, self.quantize.block_size, self.param_dtype, self.kernels) \
+            if self._int8_gather else shard
 
     # -- the optimizer's rows over replicas ([Note: optimizer rows over replicas] in optimizer_rows.py) ----------
     def rows_written(self) -> None:
@@ -408,6 +395,7 @@ class Unit:
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.is_prefetched = self.exposed = False
+        self.lent.returned()
         self.depth = 0
         self.clear_counters()
 

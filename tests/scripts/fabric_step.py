@@ -8,6 +8,8 @@ reference's, and whether the module shows gradients after a last forward.
 - ``<layout>_clip``: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` by hand before each step, the
   module zeroed after it;
 - ``<layout>_lbfgs``: ``optimizer.step(closure)`` with LBFGS (``max_iter=3``);
+- ``<layout>_sam``: SAM (``masters_moved.py``'s) with its two steps called from the loop, the masters moved by hand
+  between them;
 - ``_bf16`` after any of these: under ``bf16-mixed``.
 
 Layouts: ``zero1`` (``sharded_data_parallel_degree=1, shard_optimizer_state=True``) and ``mics`` (s = 2), every
@@ -26,6 +28,7 @@ import lightning as L  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.scripts.compat import main  # noqa: E402
+from tests.scripts.masters_moved import SAM  # noqa: E402
 
 STEPS, PER_RANK = 6, 2
 
@@ -44,6 +47,8 @@ def batches(world):
 def optimizer(how, params):
     if how == "lbfgs":
         return torch.optim.LBFGS(params, lr=0.5, max_iter=3)
+    if how == "sam":
+        return SAM(params, torch.optim.SGD, lr=0.1, momentum=0.9)
     return torch.optim.AdamW(params, lr=0.01)
 
 
@@ -56,6 +61,12 @@ def train(model, opt, data, how, fabric=None):
             return loss
         if how == "lbfgs":
             opt.step(closure)
+            continue
+        if how == "sam":
+            closure()
+            opt.first_step(zero_grad=True)
+            closure()
+            opt.second_step(zero_grad=True)
             continue
         loss = ((model(x) - y) ** 2).mean()
         fabric.backward(loss) if fabric is not None else loss.backward()

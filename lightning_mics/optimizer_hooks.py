@@ -1,0 +1,99 @@
+"""What the engine hears of the user's optimizers: their steps and their ``zero_grad``.
+
+[Note: steps the engine hears of]
+The engine takes what user code wrote before an optimizer step and refreshes what stays gathered after it
+([Note: one optimizer step] in hooks.py). It hears of a step by wrapping ``step`` on the optimizer instance rather
+than through torch's step hooks, which an optimizer that skips ``Optimizer.__init__`` lacks (timm's ``Lookahead``
+does so on purpose: registering one raised ``AttributeError`` at setup). The optimizers an optimizer holds are
+watched too (SAM's ``base_optimizer``, Lookahead's), since user code calls their steps alone: SAM's
+``second_step`` steps its base optimizer, not itself. A step that runs inside another's (Lookahead's base step
+inside its own) is not heard of apart: the outermost one is, so the masters are refreshed once, after the
+wrapper's own update (Lookahead moves them again after its base step). A step that raises is not heard to end:
+the engine's post-step refresh is collective, and the other ranks may not have stepped.
+
+The wrapper is a bound method, so that an LR scheduler built after it wraps it again through ``__func__``, as it
+wraps the class's; Lightning's and Fabric's optimizer wrappers call the instance's ``step`` and ``zero_grad``.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, List, Optional
+
+import torch
+
+
+def held_optimizers(optimizer: torch.optim.Optimizer) -> List[torch.optim.Optimizer]:
+    """``optimizer`` and the optimizers it holds as attributes (SAM's ``base_optimizer``, Lookahead's), and theirs,
+    outermost first."""
+    out: List[torch.optim.Optimizer] = []
+    todo = [optimizer]
+    while todo:
+        opt = todo.pop(0)
+        if any(o is opt for o in out):
+            continue
+        out.append(opt)
+        todo.extend(v for v in vars(opt).values() if isinstance(v, torch.optim.Optimizer))
+    return out
+
+
+class MethodHook:
+    """Runs ``before()`` and ``after()`` around ``obj.<name>(...)``, wrapped on the instance as a bound method
+    ([Note: steps the engine hears of]); ``after`` is skipped when the call raises (``failed()`` runs instead).
+    ``remove`` restores the class's method, or leaves the wrapper calling straight through when something wrapped
+    it since (an LR scheduler)."""
+
+    def __init__(self, obj: Any, name: str, before: Optional[Callable[[], None]] = None,
+                 after: Optional[Callable[[], None]] = None, failed: Optional[Callable[[], None]] = None) -> None:
+        self.obj, self.name = obj, name
+        self.before, self.after, self.failed = before, after, failed
+        original = getattr(obj, name)
+        hook = self  # what the wrapper holds: ``remove`` drops the callbacks (and the engine behind them)
+
+        def wrapper(_self: Any, *args: Any, **kwargs: Any) -> Any:
+            before, after, failed = hook.before, hook.after, hook.failed
+            if before is not None:
+                before()
+            try:
+                out = original(*args, **kwargs)
+            except BaseException:
+                if failed is not None:
+                    failed()
+                raise
+            if after is not None:
+                after()
+            return out
+        wrapper.__name__ = name
+        self.bound = types.MethodType(wrapper, obj)
+        setattr(obj, name, self.bound)
+
+    def remove(self) -> None:
+        self.before = self.after = self.failed = None
+        if self.obj.__dict__.get(self.name) is self.bound:
+            del self.obj.__dict__[self.name]
+
+
+class StepWatch:
+    """Which watched optimizers' steps are running, outermost first ([Note: steps the engine hears of]): the
+    outermost step's start and end reach ``begins`` and ``ends``."""
+
+    def __init__(self, begins: Callable[[], None], ends: Callable[[], None]) -> None:
+        self.begins, self.ends = begins, ends
+        self.running = 0
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> List[MethodHook]:
+        """Wraps the steps of ``optimizer`` and of those it holds; ``.remove()`` each returned hook at the end."""
+        return [MethodHook(opt, "step", self._begin, self._end, self._failed) for opt in held_optimizers(optimizer)]
+
+    def _begin(self) -> None:
+        self.running += 1
+        if self.running == 1:
+            self.begins()
+
+    def _end(self) -> None:
+        self.running -= 1
+        if self.running == 0:
+            self.ends()
+
+    def _failed(self) -> None:
+        self.running -= 1
