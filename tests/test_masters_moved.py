@@ -23,7 +23,8 @@ LAYOUTS = [("mics", 2), ("zero1", 2), ("mics_os", 4)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return CaseRuns(REPO / "tests" / "scripts" / "masters_moved.py", tmp_path_factory,
-                    lambda kind: ["sam_manual", "sam_closure", "lookahead", "adamw", "sam_data"])
+                    lambda kind: ["sam_manual", "sam_closure", "lookahead", "adamw", "sam_heard", "sam_manual_bf16",
+                                  "sam_heard_bf16", "sam_data"])
 
 
 def close(world):
@@ -37,6 +38,21 @@ def test_sam_under_manual_optimization_equals_ddp(runs, kind, world):
     (inside the root's forward), the masters are put back by hand and the base optimizer steps alone."""
     got, ref = runs.load(kind, world, "sam_manual"), runs.load("ddp", world, "sam_manual")
     assert max_diff(got["params"], ref["params"]) <= close(world)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind,world", LAYOUTS)
+@pytest.mark.parametrize("precision", ["", "_bf16"])
+def test_sam_moving_by_hand_is_sam_whose_moves_the_engine_hears_of_bit_for_bit(runs, kind, world, precision):
+    """The same SAM with its climb and its putting back run inside the step of an optimizer it holds (the engine
+    hears of them as of a step): the same bits, under bf16-mixed too (bf16 copies of the root, fp32 masters), where
+    DDP's autocast is no bitwise control. The by-hand run all-gathers once less per step (no refresh after the
+    putting back, which the base step's refresh covers)."""
+    got, heard = runs.load(kind, world, "sam_manual" + precision), runs.load(kind, world, "sam_heard" + precision)
+    assert all(torch.equal(got["params"][n], heard["params"][n]) for n in heard["params"])
+    assert got["all_gathers"] < heard["all_gathers"]
+    if not precision:
+        assert max_diff(heard["params"], runs.load("ddp", world, "sam_heard")["params"]) <= close(world)
 
 
 @pytest.mark.distributed

@@ -12,6 +12,10 @@
   hooks do not exist on it): every 2 steps of the base optimizer it pulls the slow weights halfway and copies them
   into the parameters, after its base step;
 - ``adamw``: AdamW alone, whose all-gathers Lookahead's are compared with;
+- ``sam_heard``: ``sam_manual`` with the climb and the putting back each run inside the step of an optimizer SAM
+  holds (``Mover``), so that the engine hears of them as of any step: what the engine does on its own for moves it
+  did not hear of must come to the same bits, in any precision;
+- ``*_bf16``: under ``bf16-mixed``;
 - ``sam_data``: ``sam_manual`` with ``p.data = w`` for putting ``w`` back, as SAM's reference code writes it: on a
   DTensor torch ignores it; the ``ValueError`` is saved.
 
@@ -34,39 +38,62 @@ from tests.scripts.compat import BATCH, Base, classification_data, loader, main,
 from tests.scripts.writes import strategy_of  # noqa: E402
 
 
+class Mover(torch.optim.Optimizer):
+    """An optimizer whose step runs what it is given: a move of the parameters the engine hears of."""
+
+    def __init__(self, params):
+        super().__init__(params, {})
+
+    def step(self, closure):
+        closure()
+
+
 class SAM(torch.optim.Optimizer):
     """Sharpness-aware minimization over a base optimizer, as github.com/davda54/sam writes it, but for putting ``w``
     back in place (``p.copy_``; ``p.data = w`` is ignored on a DTensor, under FSDP2 too) and taking the norm of a
     DTensor gradient whole."""
 
-    def __init__(self, params, base_optimizer, rho=0.05, rebind=False, **kwargs):
+    def __init__(self, params, base_optimizer, rho=0.05, rebind=False, heard=False, **kwargs):
         super().__init__(params, dict(rho=rho, **kwargs))
         self.rebind = rebind  # ``p.data = w``, as the reference code puts ``w`` back
+        self.mover = Mover([p for g in self.param_groups for p in g["params"]]) if heard else None
         self.base_optimizer = base_optimizer(self.param_groups, **kwargs)
         self.param_groups = self.base_optimizer.param_groups
+
+    def _move(self, fn):
+        if self.mover is not None:
+            self.mover.step(fn)
+        else:
+            fn()
 
     @torch.no_grad()
     def first_step(self, zero_grad=False):
         scale = self.param_groups[0]["rho"] / (self._grad_norm() + 1e-12)
+        self._move(lambda: self._climb(scale))
+        if zero_grad:
+            self.zero_grad()
+
+    def _climb(self, scale):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     self.state[p]["old_p"] = p.detach().clone()
                     p.add_(p.grad * scale)
-        if zero_grad:
-            self.zero_grad()
 
     @torch.no_grad()
     def second_step(self, zero_grad=False):
+        self._move(self._put_back)
+        self.base_optimizer.step()
+        if zero_grad:
+            self.zero_grad()
+
+    def _put_back(self):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and self.rebind:
                     p.data = self.state[p]["old_p"]
                 elif p.grad is not None:
                     p.copy_(self.state[p]["old_p"])
-        self.base_optimizer.step()
-        if zero_grad:
-            self.zero_grad()
 
     @torch.no_grad()
     def step(self, closure):
@@ -143,6 +170,11 @@ class SAMManual(Base):
         return SAM(self.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
 
 
+class SAMHeard(SAMManual):
+    def configure_optimizers(self):
+        return SAM(self.parameters(), torch.optim.SGD, heard=True, lr=0.1, momentum=0.9)
+
+
 class SAMData(SAMManual):
     def configure_optimizers(self):
         return SAM(self.parameters(), torch.optim.SGD, rebind=True, lr=0.1, momentum=0.9)
@@ -164,15 +196,15 @@ class AdamW(Base):
 
 
 MODELS = {"sam_manual": SAMManual, "sam_closure": SAMClosure, "lookahead": LookaheadAdamW, "adamw": AdamW,
-          "sam_data": SAMData}
+          "sam_data": SAMData, "sam_heard": SAMHeard}
 
 
 def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
-    model = MODELS[case]()
+    model = MODELS[case.removesuffix("_bf16")]()
     counted = Counted()
     trainer = trainer_for(kind, world, strategy=strategy_of(kind), max_epochs=2, limit_val_batches=0,
-                          callbacks=[counted])
+                          callbacks=[counted], precision="bf16-mixed" if case.endswith("_bf16") else "32-true")
     try:
         trainer.fit(model, loader(classification_data(4 * world * BATCH), kind, world, rank))
     except ValueError as e:
