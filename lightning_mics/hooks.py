@@ -93,7 +93,7 @@ class Hooks:
                 self.schedule.gather_for_recompute(unit)
                 return args, kwargs
             if not unit.enter_forward():  # a nested call (manual optimization's forward inside the root's)
-                self.schedule.catch_up(unit)
+                self.schedule.catch_up(unit, outermost=False)
                 return args, kwargs
             if unit is self.root:
                 self._begin_iteration()
@@ -103,7 +103,7 @@ class Hooks:
                 for shown in self.shown:  # the root's (every pinned unit is the root)
                     shown.show()
             unit.begin_forward()
-            self.schedule.catch_up(unit)
+            self.schedule.catch_up(unit, outermost=True)
             if not torch.is_grad_enabled():
                 return args, kwargs
             flat, spec = tree_flatten((args, kwargs))

@@ -31,23 +31,28 @@ root at s > 1 under manual optimization, whose ``training_step`` runs inside its
 then lends copies of masters that are no longer there, and a take compared them with the masters as they are now:
 every moved element looked written, and the stale copy went back into the masters. SAM under manual optimization
 ended 0.19 from DDP at s = 2 and under ZeRO-1 (2 ranks), 0.15 with rows over replicas (4 ranks), and SAM's loop
-under Fabric's ZeRO-1 0.32 from one process (tests/test_masters_moved.py, test_step_closure.py). So:
+under Fabric's ZeRO-1 0.32 from one process; the optimizer's parameters decayed by hand after each batch under
+ZeRO-1, 0.32 from DDP (tests/test_masters_moved.py, test_step_closure.py). So:
 
 - the units that lend copies across user code (the root and the pinned ones) keep the masters as they were when
   their copies were filled (``base``: a copy of the flat shard in the master dtype, only while gathered);
   a take compares the copies with what that base delivered, and takes an element only where the masters have not
   moved since: where both moved, the masters win, as after a step;
-- after a backward that ends an accumulation window, a unit still gathered because user code runs inside its
-  forward, or pinned, may be behind the masters (``behind``; set alike on every rank, by the same events): the next
-  forward that enters it takes its writes, exchanges the rows over replicas and gathers it again
-  (``Schedule.catch_up``), unless an optimizer step refreshed it first. Inside an accumulation window nothing is
-  taken to move them: the root kept between its micro-batches is not gathered again.
+- a unit whose copies may be behind the masters is gathered again when a forward next enters it, after its writes
+  are taken and the rows over replicas exchanged (``Schedule.catch_up``), unless an optimizer step refreshed it
+  first. Behind, decided alike on every rank: after a backward that ends an accumulation window, a unit still
+  gathered because user code runs inside its forward, or pinned (``behind``: the same events everywhere); and a
+  lending unit one of whose DTensors an in-place op wrote since the fill (its version counter, which DTensor's
+  SPMD op bumps on every rank; the decay by hand has no backward before it), read when a forward enters the unit
+  from outside it. Inside an accumulation window nothing else is taken to move them: the root kept between its
+  micro-batches is not gathered again.
 
 The cost is that copy (1/s of the unit in the master dtype: under ZeRO-1 one more shard, kept) and one more
 all-gather of the root (ZeRO-1: of the model) where a forward follows a synchronized backward with no step between:
-SAM's second forward, and manual accumulation that does not block the gradients' synchronization. Not seen: a move
-made with no backward before it (between a step and the next forward) while a unit stays gathered, until the next
-step. A ``.data = x`` on a DTensor master leaves its local tensor as it was (torch, pytorch#157391): the engine
+SAM's second forward, manual accumulation that does not block the gradients' synchronization, and a forward after
+an in-place write to the optimizer's DTensors. Not seen: a move with no backward before it made around the DTensor's
+version counter (``p.data.mul_``, ``p.to_local()``, a foreach op), until the next step. Under ZeRO-1 the module's
+plain parameters show a move made through the optimizer's DTensors from the next forward or step on. A ``.data = x`` on a DTensor master leaves its local tensor as it was (torch, pytorch#157391): the engine
 refuses the run at the next step or save (``MiCSEngine.refuse_rebinding``); write in place.
 """
 
@@ -79,6 +84,7 @@ class Lent:
         self.keeps_base = keeps_base and bool(params)
         self.base: Optional[Tensor] = None  # the masters the copies were filled from
         self.behind = False  # the masters may have moved since: [Note: masters moved outside a step]
+        self.versions = 0  # of the optimizer's DTensors then
 
     def filled(self) -> None:
         """The copies were just filled from the masters (a gather issued, a refresh)."""
@@ -88,6 +94,15 @@ class Lent:
                 self.base = self.shard_flat.clone()
             else:
                 self.base.copy_(self.shard_flat)
+            self.versions = self._versions()
+
+    def _versions(self) -> int:
+        return sum(sp.sharded._version for sp in self.params)
+
+    def written_in_place(self) -> bool:
+        """Whether an in-place op ran on one of the optimizer's DTensors since the fill (its version counter, which
+        the op bumps alike on every rank of the mesh): [Note: masters moved outside a step]."""
+        return self.keeps_base and self._versions() != self.versions
 
     def returned(self) -> None:
         """The copies were given back (a release, a reset)."""

@@ -185,12 +185,13 @@ class Schedule:
         if boundary and (unit.pinned or unit.depth > 0):  # [Note: masters moved outside a step] in lent.py
             unit.may_fall_behind()
 
-    def catch_up(self, unit: Unit) -> None:
+    def catch_up(self, unit: Unit, outermost: bool) -> None:
         """A forward enters ``unit``: if the masters may have moved since its plain parameters were filled, what user
         code wrote to them is taken, the rows cross the replicas and the unit is gathered again ([Note: masters moved
         outside a step] in lent.py). Collective over the shard group (and the replica group with rows over replicas),
-        decided alike on every rank."""
-        if unit.behind:
+        decided alike on every rank. The version counters are read at the ``outermost`` entry only: a nested one
+        comes at every call of a module holding a root parameter (under ZeRO-1, every module)."""
+        if unit.behind or (outermost and unit.written_in_place()):
             unit.take_writes()
             self.exchange_rows()
             unit.refresh()

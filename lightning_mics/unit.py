@@ -350,6 +350,11 @@ class Unit:
         a step] in lent.py)."""
         return self.state is ShardedState.GATHERED and self.lent.behind
 
+    def written_in_place(self) -> bool:
+        """Whether an in-place op wrote one of the optimizer's DTensors since the plain parameters were filled
+        ([Note: masters moved outside a step] in lent.py); O(parameters)."""
+        return self.state is ShardedState.GATHERED and self.lent.written_in_place()
+
     def may_fall_behind(self) -> None:
         """A backward that ends an accumulation window ran while user code holds the unit gathered: the masters
         may move before its next forward ([Note: masters moved outside a step] in lent.py)."""

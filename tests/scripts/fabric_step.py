@@ -8,6 +8,8 @@ reference's, and whether the module shows gradients after a last forward.
 - ``<layout>_clip``: ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` by hand before each step, the
   module zeroed after it;
 - ``<layout>_lbfgs``: ``optimizer.step(closure)`` with LBFGS (``max_iter=3``);
+- ``<layout>_decay``: after each step, the optimizer's parameters decayed by hand (``p.mul_(0.99)``), the module
+  zeroed through the optimizer; the parameters read after one more forward;
 - ``<layout>_sam``: SAM (``masters_moved.py``'s) with its two steps called from the loop, the masters moved by hand
   between them;
 - ``_bf16`` after any of these: under ``bf16-mixed``.
@@ -73,7 +75,11 @@ def train(model, opt, data, how, fabric=None):
         if how == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
-        if how == "opt":
+        if how == "decay":
+            with torch.no_grad():
+                for p in (p for g in opt.param_groups for p in g["params"]):
+                    p.mul_(0.99)
+        if how in ("opt", "decay"):
             opt.zero_grad()
         else:
             model.zero_grad(set_to_none=how != "module_false")
@@ -91,6 +97,8 @@ def run_case(case, world, rank):
     opt = fabric.setup_optimizers(optimizer(how, model.parameters()))
     lo, hi = rank * PER_RANK, (rank + 1) * PER_RANK
     train(model, opt, [(x[lo:hi], y[lo:hi]) for x, y in batches(world)], how, fabric)
+    if how == "decay":  # ZeRO-1's plain parameters show a move made through the optimizer's from the next forward on
+        model(batches(world)[0][0][lo:hi])
     got = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
     model(batches(world)[0][0][lo:hi])  # a forward: what the optimizer's zero_grad() cleared is off the module too
     ref = make()

@@ -12,6 +12,8 @@
   hooks do not exist on it): every 2 steps of the base optimizer it pulls the slow weights halfway and copies them
   into the parameters, after its base step;
 - ``adamw``: AdamW alone, whose all-gathers Lookahead's are compared with;
+- ``decay``: AdamW, and after every batch a callback decays the optimizer's parameters by hand (``p.mul_(0.99)``
+  under ``torch.no_grad()``): no backward between that move and the next forward;
 - ``sam_heard``: ``sam_manual`` with the climb and the putting back each run inside the step of an optimizer SAM
   holds (``Mover``), so that the engine hears of them as of any step: what the engine does on its own for moves it
   did not hear of must come to the same bits, in any precision;
@@ -201,10 +203,11 @@ MODELS = {"sam_manual": SAMManual, "sam_closure": SAMClosure, "lookahead": Looka
 
 def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
-    model = MODELS[case.removesuffix("_bf16")]()
+    model = MODELS["adamw" if case == "decay" else case.removesuffix("_bf16")]()
     counted = Counted()
+    callbacks = [counted, DecayByHand()] if case == "decay" else [counted]
     trainer = trainer_for(kind, world, strategy=strategy_of(kind), max_epochs=2, limit_val_batches=0,
-                          callbacks=[counted], precision="bf16-mixed" if case.endswith("_bf16") else "32-true")
+                          callbacks=callbacks, precision="bf16-mixed" if case.endswith("_bf16") else "32-true")
     try:
         trainer.fit(model, loader(classification_data(4 * world * BATCH), kind, world, rank))
     except ValueError as e:
@@ -213,6 +216,13 @@ def run_case(case, kind, world, rank, out):
         return {"error": str(e)}
     gathers = sum(n for (op, _), n in counted.counter.counts().items() if op == "all_gather")
     return {"params": params(model), "all_gathers": gathers}
+
+
+class DecayByHand(L.Callback):
+    def on_train_batch_end(self, trainer, *args):
+        with torch.no_grad():
+            for p in (p for g in trainer.optimizers[0].param_groups for p in g["params"]):
+                p.mul_(0.99)
 
 
 class Counted(L.Callback):
