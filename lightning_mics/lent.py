@@ -52,8 +52,10 @@ all-gather of the root (ZeRO-1: of the model) where a forward follows a synchron
 SAM's second forward, manual accumulation that does not block the gradients' synchronization, and a forward after
 an in-place write to the optimizer's DTensors. Not seen: a move with no backward before it made around the DTensor's
 version counter (``p.data.mul_``, ``p.to_local()``, a foreach op), until the next step. Under ZeRO-1 the module's
-plain parameters show a move made through the optimizer's DTensors from the next forward or step on. A ``.data = x`` on a DTensor master leaves its local tensor as it was (torch, pytorch#157391): the engine
-refuses the run at the next step or save (``MiCSEngine.refuse_rebinding``); write in place.
+plain parameters show a move made through the optimizer's DTensors from the next forward or step on.
+
+A ``.data = x`` on a DTensor master leaves its local tensor as it was (torch, pytorch#157391): the engine refuses the
+run at the next step or save (``MiCSEngine.refuse_rebinding``); write in place.
 """
 
 from __future__ import annotations
