@@ -312,7 +312,7 @@ def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where:
     whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer),
     before any step."""
     ours = {id(p) for p in engine.sharded_params()}
-    for group in (g for opt in held_optimizers(optimizer) for g in opt.param_groups):
+    for group in optimizer.param_groups:  # (one it holds may step other parameters: watched, not refused)
         for p in group["params"]:
             if id(p) not in ours:
                 raise ValueError(
