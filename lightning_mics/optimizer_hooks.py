@@ -41,7 +41,7 @@ class MethodHook:
     """Runs ``before()`` and ``after()`` around ``obj.<name>(...)``, wrapped on the instance as a bound method
     ([Note: steps the engine hears of]); ``after`` is skipped when the call raises (``failed()`` runs instead).
     ``remove`` restores the class's method, or leaves the wrapper calling straight through when something wrapped
-    it since (an LR scheduler)."""
+    it since (an LR scheduler). A deep copy of the object runs the class's method, unwatched."""
 
     def __init__(self, obj: Any, name: str, before: Optional[Callable[[], None]] = None,
                  after: Optional[Callable[[], None]] = None, failed: Optional[Callable[[], None]] = None) -> None:
@@ -51,6 +51,8 @@ class MethodHook:
         hook = self  # what the wrapper holds: ``remove`` drops the callbacks (and the engine behind them)
 
         def wrapper(_self: Any, *args: Any, **kwargs: Any) -> Any:
+            if _self is not hook.obj:  # a deep copy of the object (its __dict__ copied, this method rebound to it)
+                return getattr(type(_self), name)(_self, *args, **kwargs)
             before, after, failed = hook.before, hook.after, hook.failed
             if before is not None:
                 before()

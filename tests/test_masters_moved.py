@@ -11,6 +11,8 @@ the weights back with ``p.data = w``, ran on from the climbed weights without a 
 was right. The optimizer's parameters decayed by hand after each batch under ZeRO-1 ended 0.32 from DDP (0.021 from one
 process under Fabric)."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 
@@ -121,6 +123,10 @@ def test_the_outermost_step_is_heard_once_and_a_step_that_raised_does_not_silenc
         boom.step()
     sam.base_optimizer.step()
     assert events == ["begin", "begin", "end"]  # the failed step is not heard to end; the next one is heard whole
+    copy = deepcopy(sam.base_optimizer)  # steps its own parameters, unwatched
+    copy.param_groups[0]["params"][0].grad = torch.ones(3)
+    copy.step()
+    assert events == ["begin", "begin", "end"] and not torch.equal(copy.param_groups[0]["params"][0], w)
     for h in hooks:
         h.remove()
     sam.base_optimizer.step()
