@@ -170,7 +170,8 @@ class MiCSEngine:
         """The engine hears of the steps of ``optimizer`` and of the optimizers it holds, and of their ``zero_grad``
         ([Note: steps the engine hears of] in optimizer_hooks.py). ``.remove()`` the returned hooks when the run
         ends."""
-        return self._steps.watch(optimizer) + [self.follow_zero_grad(opt) for opt in held_optimizers(optimizer)]
+        return [hook for opt in held_optimizers(optimizer)
+                for hook in (self._steps.watch(opt), self.follow_zero_grad(opt))]
 
     def before_optimizer_step(self) -> None:
         """Pre-step hook of every optimizer: what user code wrote, into the masters ([``Schedule.take_writes``]);

@@ -26,13 +26,13 @@ The engine hears of the masters moving from the optimizers' steps (and those of 
 ``base_optimizer``, Lookahead's; [Note: steps the engine hears of] in optimizer_hooks.py). User code may also move
 them itself, through the optimizer's DTensors: SAM's first step climbs to ``w + e(w)`` with ``p.add_`` after a
 backward, runs a second forward and backward there, then puts ``w`` back with ``p.copy_`` and steps its base
-optimizer. A unit that stays gathered through that (the
-root at s > 1 under manual optimization, whose ``training_step`` runs inside its forward; ZeRO-1's pinned unit)
-then lends copies of masters that are no longer there, and a take compared them with the masters as they are now:
-every moved element looked written, and the stale copy went back into the masters. SAM under manual optimization
-ended 0.19 from DDP at s = 2 and under ZeRO-1 (2 ranks), 0.15 with rows over replicas (4 ranks), and SAM's loop
-under Fabric's ZeRO-1 0.32 from one process; the optimizer's parameters decayed by hand after each batch under
-ZeRO-1, 0.32 from DDP (tests/test_masters_moved.py, test_step_closure.py). So:
+optimizer. A unit that stays gathered through that (the root at s > 1 under manual optimization, whose
+``training_step`` runs inside its forward; ZeRO-1's pinned unit) then lends copies of masters that are no longer
+there, and a take compared them with the masters as they are now: every moved element looked written, and the stale
+copy went back into the masters. SAM under manual optimization ended 0.19 from DDP at s = 2 and under ZeRO-1 (2
+ranks), 0.15 with rows over replicas (4 ranks), and SAM's loop under Fabric's ZeRO-1 0.32 from one process; the
+optimizer's parameters decayed by hand after each batch under ZeRO-1, 0.32 from DDP (tests/test_masters_moved.py,
+test_step_closure.py). So:
 
 - the units that lend copies across user code (the root and the pinned ones) keep the masters as they were when
   their copies were filled (``base``: a copy of the flat shard in the master dtype, only while gathered);

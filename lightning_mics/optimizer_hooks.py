@@ -76,16 +76,16 @@ class MethodHook:
 
 
 class StepWatch:
-    """Which watched optimizers' steps are running, outermost first ([Note: steps the engine hears of]): the
+    """How many watched optimizers' steps are running, one inside another ([Note: steps the engine hears of]): the
     outermost step's start and end reach ``begins`` and ``ends``."""
 
     def __init__(self, begins: Callable[[], None], ends: Callable[[], None]) -> None:
         self.begins, self.ends = begins, ends
         self.running = 0
 
-    def watch(self, optimizer: torch.optim.Optimizer) -> List[MethodHook]:
-        """Wraps the steps of ``optimizer`` and of those it holds; ``.remove()`` each returned hook at the end."""
-        return [MethodHook(opt, "step", self._begin, self._end, self._failed) for opt in held_optimizers(optimizer)]
+    def watch(self, optimizer: torch.optim.Optimizer) -> MethodHook:
+        """Wraps the step of ``optimizer``; ``.remove()`` the returned hook at the end."""
+        return MethodHook(optimizer, "step", self._begin, self._end, self._failed)
 
     def _begin(self) -> None:
         self.running += 1

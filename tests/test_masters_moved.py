@@ -16,7 +16,7 @@ from copy import deepcopy
 import pytest
 import torch
 
-from lightning_mics.optimizer_hooks import StepWatch
+from lightning_mics.optimizer_hooks import StepWatch, held_optimizers
 from tests.helpers.cases import CaseRuns, max_diff
 from tests.helpers.launch import REPO
 from tests.scripts.masters_moved import SAM, Lookahead
@@ -108,7 +108,7 @@ def test_the_outermost_step_is_heard_once_and_a_step_that_raised_does_not_silenc
     w.grad = torch.ones(3)
     sam = SAM([w], torch.optim.SGD, lr=0.1)
     look = Lookahead(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1))
-    hooks = watch.watch(sam) + watch.watch(look)
+    hooks = [watch.watch(opt) for opt in held_optimizers(sam) + held_optimizers(look)]
     sam.base_optimizer.step()
     look.step()
     sched = torch.optim.lr_scheduler.StepLR(look._base_optimizer, step_size=1)
@@ -118,7 +118,7 @@ def test_the_outermost_step_is_heard_once_and_a_step_that_raised_does_not_silenc
     events.clear()
     boom = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
     boom.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # noqa: E731
-    hooks += watch.watch(boom)
+    hooks.append(watch.watch(boom))
     with pytest.raises(RuntimeError, match="boom"):
         boom.step()
     sam.base_optimizer.step()
