@@ -53,6 +53,7 @@ def test_sam_moving_by_hand_is_sam_whose_moves_the_engine_hears_of_bit_for_bit(r
     putting back, which the base step's refresh covers)."""
     got, heard = runs.load(kind, world, "sam_manual" + precision), runs.load(kind, world, "sam_heard" + precision)
     assert all(torch.equal(got["params"][n], heard["params"][n]) for n in heard["params"])
+    assert all(t.dtype == torch.float32 for t in got["params"].values())  # the fp32 masters, after fit
     assert got["all_gathers"] < heard["all_gathers"]
     if not precision:
         assert max_diff(heard["params"], runs.load("ddp", world, "sam_heard")["params"]) <= close(world)

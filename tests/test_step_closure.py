@@ -96,8 +96,8 @@ def assert_norms_equal(got, ref):
 
 # -- Fabric ------------------------------------------------------------------------------------------------------
 FABRIC_CASES = ["zero1_opt", "zero1_module", "zero1_module_false", "zero1_clip", "zero1_lbfgs", "mics_module",
-                "mics_clip", "mics_lbfgs", "zero1_sam", "mics_sam", "zero1_decay", "mics_decay", "zero1_opt_bf16",
-                "zero1_module_bf16", "zero1_module_false_bf16", "zero1_clip_bf16"]
+                "mics_clip", "mics_lbfgs", "zero1_sam", "mics_sam", "zero1_decay", "mics_decay", "zero1_lookahead",
+                "mics_lookahead", "zero1_opt_bf16", "zero1_module_bf16", "zero1_module_false_bf16", "zero1_clip_bf16"]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ reference's, and whether the module shows gradients after a last forward.
 - ``<layout>_lbfgs``: ``optimizer.step(closure)`` with LBFGS (``max_iter=3``);
 - ``<layout>_decay``: after each step, the optimizer's parameters decayed by hand (``p.mul_(0.99)``), the module
   zeroed through the optimizer; the parameters read after one more forward;
+- ``<layout>_lookahead``: timm's Lookahead over AdamW (``masters_moved.py``'s: no torch step hooks), the module
+  zeroed after each step;
 - ``<layout>_sam``: SAM (``masters_moved.py``'s) with its two steps called from the loop, the masters moved by hand
   between them;
 - ``_bf16`` after any of these: under ``bf16-mixed``.
@@ -30,7 +32,7 @@ import lightning as L  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.scripts.compat import main  # noqa: E402
-from tests.scripts.masters_moved import SAM  # noqa: E402
+from tests.scripts.masters_moved import SAM, Lookahead  # noqa: E402
 
 STEPS, PER_RANK = 6, 2
 
@@ -51,6 +53,8 @@ def optimizer(how, params):
         return torch.optim.LBFGS(params, lr=0.5, max_iter=3)
     if how == "sam":
         return SAM(params, torch.optim.SGD, lr=0.1, momentum=0.9)
+    if how == "lookahead":
+        return Lookahead(torch.optim.AdamW(params, lr=0.01))
     return torch.optim.AdamW(params, lr=0.01)
 
 
