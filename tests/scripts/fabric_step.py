@@ -32,7 +32,7 @@ import lightning as L  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.scripts.compat import main  # noqa: E402
-from tests.scripts.masters_moved import SAM, Lookahead  # noqa: E402
+from tests.scripts.masters_moved import SAM, Lookahead, decay_by_hand  # noqa: E402
 
 STEPS, PER_RANK = 6, 2
 
@@ -80,9 +80,7 @@ def train(model, opt, data, how, fabric=None):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
         if how == "decay":
-            with torch.no_grad():
-                for p in (p for g in opt.param_groups for p in g["params"]):
-                    p.mul_(0.99)
+            decay_by_hand(opt)
         if how in ("opt", "decay"):
             opt.zero_grad()
         else:

@@ -218,11 +218,16 @@ def run_case(case, kind, world, rank, out):
     return {"params": params(model), "all_gathers": gathers}
 
 
+def decay_by_hand(optimizer):
+    """The optimizer's parameters decayed in place (``p.mul_(0.99)``), as a callback or a loop may write it."""
+    with torch.no_grad():
+        for p in (p for g in optimizer.param_groups for p in g["params"]):
+            p.mul_(0.99)
+
+
 class DecayByHand(L.Callback):
     def on_train_batch_end(self, trainer, *args):
-        with torch.no_grad():
-            for p in (p for g in trainer.optimizers[0].param_groups for p in g["params"]):
-                p.mul_(0.99)
+        decay_by_hand(trainer.optimizers[0])
 
 
 class Counted(L.Callback):
