@@ -85,12 +85,13 @@ def test_strategy_checkpoint(runs, state_dict_type, precision):
     resuming from the checkpoint saved after test, equal DDP's."""
     got, _ = case(runs, "ported", "mics", f"stages_{state_dict_type}_{precision}")
     want, _ = case(runs, "ported", "ddp", f"stages_sharded_{precision}")
-    tol = 1e-6 if precision == "32-true" else 2e-2  # bf16: MiCS gathers every parameter in bf16, DDP's autocast not
-    assert_close(got["predict"], want["predict"], tol)
-    assert_close(got["predict_ckpt"], want["predict_ckpt"], tol)
-    assert_close(got["resumed_params"], want["resumed_params"], tol)
+    # bf16-mixed: DDP runs MiCS's precision policy (Bf16Copies); on this model of Linear layers autocast alone casts
+    # the same weights, and both controls end where MiCS does bit for bit
+    assert_close(got["predict"], want["predict"])
+    assert_close(got["predict_ckpt"], want["predict_ckpt"])
+    assert_close(got["resumed_params"], want["resumed_params"])
     assert_close(got["resumed_opt"]["param_groups"], want["resumed_opt"]["param_groups"])
-    assert_close(got["resumed_opt"]["state"], want["resumed_opt"]["state"], max(tol, 1e-5))
+    assert_close(got["resumed_opt"]["state"], want["resumed_opt"]["state"], 1e-5)
 
 
 @pytest.mark.parametrize("variant", ["manual", "linear"])

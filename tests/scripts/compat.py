@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
+from tests.helpers.bf16_policy import Bf16Copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 V, D, H, C, T = 37, 24, 48, 32, 5  # vocab, width, hidden, classes, sequence: odd sizes, uneven shards
@@ -396,6 +397,8 @@ def loader(ds, kind, world, rank, batch=BATCH):
 
 def trainer_for(kind, world, **kwargs):
     strategy = kwargs.pop("strategy", None) or strategy_for(kind)
+    if kind == "ddp" and kwargs.get("precision") == "bf16-mixed":
+        kwargs["callbacks"] = [*kwargs.get("callbacks", []), Bf16Copies()]
     base = dict(accelerator="cpu", devices=1 if kind == "single" else world, strategy=strategy,
                 logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 use_distributed_sampler=False, num_sanity_val_steps=0)

@@ -82,9 +82,10 @@ def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
     ds = classification_data(4 * world * BATCH)
     m = WithOptimizer()
-    m.opt = case
-    trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy_of(kind)).fit(
-        m, loader(ds, kind, world, rank))
+    m.opt = case.removesuffix("_bf16")
+    precision = "bf16-mixed" if case.endswith("_bf16") else "32-true"
+    trainer_for(kind, world, max_epochs=2, accumulate_grad_batches=2, strategy=strategy_of(kind),
+                precision=precision).fit(m, loader(ds, kind, world, rank))
     return {"params": params(m)}
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ reference's, and whether the module shows gradients after a last forward.
   zeroed after each step;
 - ``<layout>_sam``: SAM (``masters_moved.py``'s) with its two steps called from the loop, the masters moved by hand
   between them;
-- ``_bf16`` after any of these: under ``bf16-mixed``.
+- ``<layout>_lamb``, ``<layout>_lion``: the optimizers written by hand of ``custom_optimizers.py`` (LAMB's trust
+  ratio from whole-parameter norms of DTensor shards, Lion's sign), the module zeroed after each step;
+- ``_bf16`` after any of these: under ``bf16-mixed``; the result then also holds ``policy``, one process under
+  MiCS's precision policy (``policy_loss``: each rank's batch through autocast over bf16 copies of the fp32
+  parameters, as ``compat.Bf16Copies`` runs DDP).
+
+Rank 0 saves the module's parameters after the loop (``params``: under ZeRO-1 with bf16-mixed, the bf16 copies it
+lends) and the optimizer's (``masters``).
 
 Layouts: ``zero1`` (``sharded_data_parallel_degree=1, shard_optimizer_state=True``) and ``mics`` (s = 2), every
 parameter sharded.
@@ -32,6 +39,7 @@ import lightning as L  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.scripts.compat import main  # noqa: E402
+from tests.scripts.custom_optimizers import Lamb, Lion  # noqa: E402
 from tests.scripts.masters_moved import SAM, Lookahead, decay_by_hand  # noqa: E402
 
 STEPS, PER_RANK = 6, 2
@@ -55,14 +63,36 @@ def optimizer(how, params):
         return SAM(params, torch.optim.SGD, lr=0.1, momentum=0.9)
     if how == "lookahead":
         return Lookahead(torch.optim.AdamW(params, lr=0.01))
+    if how == "lamb":
+        return Lamb(params)
+    if how == "lion":
+        return Lion(params, lr=0.01)
     return torch.optim.AdamW(params, lr=0.01)
 
 
-def train(model, opt, data, how, fabric=None):
+def mse(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def policy_loss(model, world):
+    """The loss of ``world`` ranks under MiCS's bf16-mixed policy, in one process: each rank's batch through
+    autocast over bf16 copies of the fp32 parameters (the output in fp32, as Fabric returns it), its bf16 gradients
+    cast to fp32 and summed there, scaled by 1 / world (exact: a power of two) as the engine scales its reduction."""
+    def forward(x):
+        copies = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.func.functional_call(model, copies, (x,)).float()
+
+    def loss(_, x, y):
+        return sum(mse(forward, xr, yr) for xr, yr in zip(x.chunk(world), y.chunk(world))) / world
+    return loss
+
+
+def train(model, opt, data, how, fabric=None, loss_of=mse):
     for x, y in data:
         def closure():
             opt.zero_grad()
-            loss = ((model(x) - y) ** 2).mean()
+            loss = loss_of(model, x, y)
             fabric.backward(loss) if fabric is not None else loss.backward()
             return loss
         if how == "lbfgs":
@@ -74,7 +104,7 @@ def train(model, opt, data, how, fabric=None):
             closure()
             opt.second_step(zero_grad=True)
             continue
-        loss = ((model(x) - y) ** 2).mean()
+        loss = loss_of(model, x, y)
         fabric.backward(loss) if fabric is not None else loss.backward()
         if how == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -101,12 +131,19 @@ def run_case(case, world, rank):
     train(model, opt, [(x[lo:hi], y[lo:hi]) for x, y in batches(world)], how, fabric)
     if how == "decay":  # ZeRO-1's plain parameters show a move made through the optimizer's from the next forward on
         model(batches(world)[0][0][lo:hi])
-    got = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone() for p in model.parameters()]
+    full = lambda ps: [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in ps]  # noqa: E731
+    got = [p.float() for p in full(model.parameters())]
+    masters = full(p for g in opt.param_groups for p in g["params"])
     model(batches(world)[0][0][lo:hi])  # a forward: what the optimizer's zero_grad() cleared is off the module too
     ref = make()
     train(ref, optimizer(how, ref.parameters()), batches(world), how)
-    return {"params": got, "reference": [p.detach().clone() for p in ref.parameters()],
-            "after_forward": [p.grad is not None for p in model.parameters()]}
+    result = {"params": got, "masters": masters, "reference": [p.detach().clone() for p in ref.parameters()],
+              "after_forward": [p.grad is not None for p in model.parameters()]}
+    if bf16:
+        ref = make()
+        train(ref, optimizer(how, ref.parameters()), batches(world), how, loss_of=policy_loss(ref, world))
+        result["policy"] = [p.detach().clone() for p in ref.parameters()]
+    return result
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from torchmetrics import Accuracy  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
+from tests.helpers.bf16_policy import Bf16Copies  # noqa: E402
 
 KIND = "mics"
 LIMITS = dict(limit_train_batches=4, limit_val_batches=2, limit_test_batches=2, limit_predict_batches=2)
@@ -55,6 +56,8 @@ def strategy(**kw):
 
 def trainer(tmp, **kw):
     kw.setdefault("strategy", strategy())
+    if KIND == "ddp" and kw.get("precision") == "bf16-mixed":  # the control runs MiCS's precision policy
+        kw["callbacks"] = [*kw.get("callbacks", []), Bf16Copies()]
     return Trainer(default_root_dir=tmp, accelerator="cpu", devices=2, **kw)
 
 

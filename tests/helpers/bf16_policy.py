@@ -1,0 +1,36 @@
+"""The control of a ``bf16-mixed`` run: the plain strategy (DDP, one process) under MiCS's precision policy.
+
+MiCS gathers bf16 copies of its fp32 masters (``param_dtype``), runs the forward on them under autocast, and reduces
+their bf16 gradients in fp32 (``reduce_dtype``), as FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)``. DDP under ``bf16-mixed`` runs autocast alone, which casts only some ops' weights (a
+LayerNorm's and an embedding's stay fp32): a bf16 run then ends 1e-3 to 1e-2 from DDP's for the forward's rounding
+alone, too loose a control to see a defect in. Under this policy it ends where DDP ends, bit for bit or within the
+summation order.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+
+class Bf16Copies(L.Callback):
+    """A Trainer callback for the control run: the module's ``forward`` runs on bf16 copies of its fp32 parameters
+    (``torch.func.functional_call``), whose gradients autograd casts back to fp32 before DDP's fp32 all-reduce."""
+
+    def setup(self, trainer, pl_module, stage):
+        forward, inside = type(pl_module).forward, []
+
+        def on_copies(*args, **kwargs):
+            if inside:  # functional_call's own call of the module
+                return forward(pl_module, *args, **kwargs)
+            copies = {n: p.to(torch.bfloat16) for n, p in pl_module.named_parameters()}
+            inside.append(True)
+            try:
+                return torch.func.functional_call(pl_module, copies, args, kwargs)
+            finally:
+                inside.pop()
+        pl_module.forward = on_copies
+
+    def teardown(self, trainer, pl_module, stage):
+        pl_module.__dict__.pop("forward", None)
