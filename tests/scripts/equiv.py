@@ -164,7 +164,22 @@ def data(world, batch, steps, accum):
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
 
-def reference(args, world, x, y):
+class LossOf(nn.Module):
+    """``inner.loss`` as a forward, for ``torch.func.functional_call``."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x, y):
+        return self.inner.loss(x, y)
+
+
+def reference(args, world, x, y, cast=None):
+    """One plain process on the ranks' batches. With ``cast`` (parameter names), under MiCS's bf16-mixed policy:
+    each rank's batch under autocast, the parameters named in ``cast`` (the gathered ones) as bf16 copies of the fp32
+    ones, their bf16 gradients cast to fp32 and summed there, scaled by 1 / world as the engine scales its reduction
+    (``tests/helpers/bf16_policy.py``: DDP's control under the Trainer)."""
     torch.manual_seed(0)
     model = build(args.model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
@@ -172,8 +187,17 @@ def reference(args, world, x, y):
     b, A = args.batch, args.accum
     per_rank = [torch.arange(k, x.size(0), world) for k in range(world)]
     norms = []
+
+    def policy_loss(idx):
+        copies = {"inner." + n: p.to(torch.bfloat16) for n, p in model.named_parameters() if n in cast}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return torch.func.functional_call(LossOf(model), copies, (x[idx], y[idx])) / world
+
     for step in range(args.steps):
         for m in range(step * A, (step + 1) * A):
+            if cast is not None:
+                sum(policy_loss(r[m * b:(m + 1) * b]) / A for r in per_rank).backward()
+                continue
             idx = torch.cat([r[m * b:(m + 1) * b] for r in per_rank])
             (model.loss(x[idx], y[idx]) / A).backward()
         if args.clip:
@@ -266,7 +290,7 @@ def run_variant(args, variant, world, rank, train, val, ref, save_to=None):
     plain_bytes = plain_state_bytes(module, args.optimizer)
     per_trainable = 1 + (1 if args.optimizer == "sgd" else 2)
 
-    state_bytes = {}
+    state_bytes, gathered = {}, set()
 
     class Grab(L.Callback):
         def on_train_end(self, trainer, pl_module):
@@ -279,6 +303,7 @@ def run_variant(args, variant, world, rank, train, val, ref, save_to=None):
             state_bytes["n_buckets"] = sum(len(eng.grads.of(u).buckets(u.trainable())) for u in eng.units)
             state_bytes["n_units"] = sum(1 for u in eng.units if u.full_numel)
             state_bytes["unit_numels"] = [u.full_numel for u in eng.units]
+            gathered.update(ref.fqn.removeprefix("model.") for u in eng.units for sp in u.params for ref in sp.refs)
 
     trainer.callbacks.append(Grab())
     trainer.fit(module, train, val)
@@ -307,7 +332,21 @@ def run_variant(args, variant, world, rank, train, val, ref, save_to=None):
                        "rel_norm": (g - r.float()).norm().item() / max(r.float().norm().item(), 1e-12),
                        "shape_ok": list(g.shape) == list(r.shape)}
         result["errors"] = errs
+        if args.precision == "bf16-mixed":  # against one process under the policy, its gathered parameters' as cast
+            _, policy_sd, _ = policy_ref(args, world, frozenset(gathered))
+            result["policy_max_abs"] = {k: (got[k].float() - r.float()).abs().max().item()
+                                        for k, r in policy_sd.items()}
     return result
+
+
+_POLICY = {}
+
+
+def policy_ref(args, world, cast):
+    if cast not in _POLICY:
+        x, y = data(world, args.batch, args.steps, args.accum)
+        _POLICY[cast] = reference(args, world, x, y, cast)
+    return _POLICY[cast]
 
 if __name__ == "__main__":
     main()

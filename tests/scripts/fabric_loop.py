@@ -13,7 +13,8 @@ split), ``count:<s>:<accum>`` (collectives per step with and without no_backward
 another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused),
 ``feedback:<s>`` / ``feedback_load:<s>:<block>`` (``resume`` with error-feedback quantization; its
 checkpoint loaded with another block size), ``torchsd:<s>`` (torch's distributed state-dict API and DCP),
-``filter:<s>:<sharded|full>`` (``fabric.save(..., filter=...)``).
+``filter:<s>:<sharded|full>`` (``fabric.save(..., filter=...)``). Under ``bf16-mixed`` an ``equiv`` case is also
+compared with one process under MiCS's precision policy (``policy_loss``; ``policy_max_abs``).
 """
 
 import argparse
@@ -36,6 +37,7 @@ import lightning as L  # noqa: E402
 import lightning_mics  # noqa: E402
 import lightning_mics.reliability  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
+from lightning_mics.sharding import stays_replicated  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 VOCAB, SEQ, D = 61, 8, 24  # odd sizes: uneven shards and padding
@@ -126,17 +128,31 @@ def fabric_steps(fabric, model, opt, data, clip, start, stop, nbs=True):
         opt.zero_grad()
 
 
-def plain_steps(model, opt, data, clip, start=0, stop=STEPS):
+def plain_steps(model, opt, data, clip, start=0, stop=STEPS, loss=lm_loss):
     accum = data.shape[1]
     for step in range(start, stop):
         for m in range(accum):
-            (lm_loss(model, data[step, m]) / accum).backward()
+            (loss(model, data[step, m]) / accum).backward()
         if clip in ("norm", "torchnorm"):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         elif clip in ("value", "torchvalue"):
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
         opt.step()
         opt.zero_grad()
+
+
+def policy_loss(s):
+    """The loss of WORLD ranks under MiCS's bf16-mixed policy, in one process: each rank's batch under autocast,
+    the gathered parameters as bf16 copies of the fp32 ones (the small ones stay replicated in fp32), their bf16
+    gradients cast to fp32 and summed there, scaled by 1 / WORLD as the engine scales its reduction."""
+    def loss(model, x):
+        def rank_loss(chunk):
+            copies = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()
+                      if not stays_replicated(tuple(p.shape), 16, s)}  # strategy()'s threshold
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return lm_loss(lambda idx: torch.func.functional_call(model, copies, (idx,)), chunk)
+        return sum(rank_loss(chunk) for chunk in x.chunk(WORLD)) / WORLD
+    return loss
 
 
 def full_state(fabric, model):
@@ -200,6 +216,11 @@ def case_equiv(s, accum, kind, clip, how, precision="32-true", layout=""):
             plain_steps(ref, ref_opt, data, clip)
         res["rel"] = compare(final, ref.state_dict())
         res["rel_global"] = compare_global(final, ref.state_dict())
+        if precision == "bf16-mixed":
+            policy = Tiny()
+            policy.load_state_dict(init)
+            plain_steps(policy, optimizer(kind, policy.parameters()), data, clip, loss=policy_loss(int(s)))
+            res["policy_max_abs"] = max(float((final[k] - v).abs().max()) for k, v in policy.state_dict().items())
         res["dtypes"] = sorted({str(v.dtype) for v in final.values()})
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             expected = ref(probe).float()  # Fabric's forward runs under the precision's autocast too
