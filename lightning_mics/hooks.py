@@ -32,6 +32,17 @@ compiles what lies between (tests/test_compile.py, against DDP compiled the same
 hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd engine, outside dynamo.
 Compiled autograd would trace them: the first backward hook refuses it with a RuntimeError on every rank (it
 failed inside dynamo at ``queue_callback`` without ``fullgraph``, and hung with it).
+
+[Note: calls outside the precision's context]
+Under a mixed precision (``param_dtype`` narrower than the masters' dtype) the units lend ``param_dtype`` copies,
+and the forwards run under the precision's autocast: Lightning's step contexts, Fabric's module. A call from
+outside them (a callback that calls a submodule on an fp32 tensor, ``fabric_model.module(x)``) met bf16 weights
+without autocast and failed (``mat1 and mat2 must have the same dtype``), where DDP's fp32 weights compute it. So
+an outermost entry into a unit while autocast is off runs that call under autocast in ``param_dtype``, as the
+training forward runs: the layers autocast keeps in fp32 (a LayerNorm, its weights possibly replicated fp32) stay
+so, fp32 inputs are cast where a matmul meets the copies, and the output is what a training forward's is. The
+context is left when that call returns or raises (the post-forward hook runs on both). Inside the precision's
+context nothing changes.
 """
 
 from __future__ import annotations
@@ -76,6 +87,7 @@ class Hooks:
         self.schedule, self.grads = schedule, grads
         self._callback_queued = False
         self._handles: List[Any] = []
+        self._autocast: Dict[int, Any] = {}  # [Note: calls outside the precision's context]
         for unit, modules in zip(units, entries):
             for module in modules:
                 self._handles.append(module.register_forward_pre_hook(
@@ -95,6 +107,7 @@ class Hooks:
             if not unit.enter_forward():  # a nested call (manual optimization's forward inside the root's)
                 self.schedule.catch_up(unit, outermost=False)
                 return args, kwargs
+            self._enter_precision(unit)
             if unit is self.root:
                 self._begin_iteration()
             self.schedule.on_forward(unit)
@@ -122,6 +135,7 @@ class Hooks:
         def hook(module: nn.Module, args: Tuple, kwargs: Dict, output: Any) -> Any:
             if in_backward() or not unit.exit_forward():
                 return output
+            self._leave_precision(unit)
             grad = torch.is_grad_enabled()
             self.schedule.after_forward(unit, grad)
             if grad and output is not None:
@@ -131,6 +145,20 @@ class Hooks:
                         t.register_hook(self._make_pre_backward(unit))
             return output
         return hook
+
+    def _enter_precision(self, unit: Unit) -> None:
+        """[Note: calls outside the precision's context]"""
+        device = unit.device.type
+        if unit.param_dtype.itemsize >= unit.dtype.itemsize or torch.is_autocast_enabled(device):
+            return
+        ctx = torch.autocast(device, dtype=unit.param_dtype)
+        ctx.__enter__()
+        self._autocast[id(unit)] = ctx
+
+    def _leave_precision(self, unit: Unit) -> None:
+        ctx = self._autocast.pop(id(unit), None)
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
 
     def _begin_iteration(self) -> None:
         """The root is entered from outside any forward: forget what a forward without backward left."""

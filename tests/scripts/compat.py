@@ -422,10 +422,11 @@ def run_case(case, kind, world, rank, out):
     elif case == "manual2":
         m = GAN()
         trainer_for(kind, world, max_epochs=2).fit(m, loader(gan_data(4 * world * BATCH), kind, world, rank))
-    elif case == "calls_itself":
+    elif case in ("calls_itself", "calls_itself_bf16"):
         m = CallsItself()
         cb = SampleCallback()
-        trainer_for(kind, world, max_epochs=3, callbacks=[cb]).fit(
+        precision = "bf16-mixed" if case.endswith("bf16") else "32-true"
+        trainer_for(kind, world, max_epochs=3, callbacks=[cb], precision=precision).fit(
             m, loader(classification_data(3 * world * BATCH), kind, world, rank))
         result.update(self_calls=torch.stack(m.seen), outputs=torch.stack(cb.outputs), heads=torch.stack(cb.heads))
         result["after_fit"] = m(PROBE).detach()
