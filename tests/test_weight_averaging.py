@@ -57,10 +57,13 @@ def assert_held_in_shards(got, kind):
 @pytest.mark.parametrize("kind,world", [("mics", 2), ("mics_os", 4)])
 def test_weight_averaging_under_bf16_mixed_keeps_fp32_and_resumes_exactly(runs, kind, world):
     """Under bf16-mixed the parameters between steps are the fp32 masters' shards, and so is the average: the
-    checkpoint holds fp32, and the resumed fit is the uninterrupted one bit for bit."""
-    got = runs.load(kind, world, "ema_bf16")
+    checkpoint holds fp32, and the resumed fit is the uninterrupted one bit for bit; the average, the checkpoint
+    and the resumed fit are DDP's under MiCS's precision policy (tests/helpers/bf16_policy.py), bit for bit."""
+    got, ref = runs.load(kind, world, "ema_bf16"), runs.load("ddp", world, "ema_bf16")
     assert {str(t.dtype) for t in got["saved"].values()} == {"torch.float32"}
     assert max_diff(got["resumed"], got["params"]) == 0.0
+    for key in ("params", "saved", "resumed"):
+        assert max_diff(got[key], ref[key]) <= 1e-6, key
 
 
 # -- Lightning's StochasticWeightAveraging (tests/scripts/swa.py) ---------------------------------------------------
