@@ -14,6 +14,15 @@ import lightning as L
 import torch
 
 
+def on_bf16_copies(module, args, kwargs=None, cast=None):
+    """``module(*args, **kwargs)`` under MiCS's bf16-mixed policy: under autocast, on bf16 copies of its parameters
+    named in ``cast`` (all of them by default; MiCS casts the ones it gathers). Each call makes its own copies, so
+    their gradients reach the fp32 parameters cast to fp32 and are summed there."""
+    copies = {n: p.to(torch.bfloat16) for n, p in module.named_parameters() if cast is None or n in cast}
+    with torch.autocast(next(module.parameters()).device.type, dtype=torch.bfloat16):
+        return torch.func.functional_call(module, copies, args, kwargs or {})
+
+
 class Bf16Copies(L.Callback):
     """A Trainer callback for the control run: inside the precision's autocast (Lightning's step contexts) the
     module's ``forward`` runs on bf16 copies of its fp32 parameters (``torch.func.functional_call``), whose gradients
@@ -38,10 +47,9 @@ class Bf16Copies(L.Callback):
         def on_copies(*args, **kwargs):
             if inside or not torch.is_autocast_enabled(pl_module.device.type):  # functional_call's own call
                 return forward(pl_module, *args, **kwargs)
-            copies = {n: p.to(torch.bfloat16) for n, p in pl_module.named_parameters()}
             inside.append(True)
             try:
-                return torch.func.functional_call(pl_module, copies, args, kwargs)
+                return on_bf16_copies(pl_module, args, kwargs)
             finally:
                 inside.pop()
         pl_module.forward = on_copies

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 from tests.helpers.live import LiveMeter  # noqa: E402
 
@@ -188,14 +189,15 @@ def reference(args, world, x, y, cast=None):
     per_rank = [torch.arange(k, x.size(0), world) for k in range(world)]
     norms = []
 
+    policy, wrapped = cast is not None, LossOf(model)
+    cast = {"inner." + n for n in cast or ()}
+
     def policy_loss(idx):
-        copies = {"inner." + n: p.to(torch.bfloat16) for n, p in model.named_parameters() if n in cast}
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return torch.func.functional_call(LossOf(model), copies, (x[idx], y[idx])) / world
+        return on_bf16_copies(wrapped, (x[idx], y[idx]), cast=cast) / world
 
     for step in range(args.steps):
         for m in range(step * A, (step + 1) * A):
-            if cast is not None:
+            if policy:
                 sum(policy_loss(r[m * b:(m + 1) * b]) / A for r in per_rank).backward()
                 continue
             idx = torch.cat([r[m * b:(m + 1) * b] for r in per_rank])

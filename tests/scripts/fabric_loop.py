@@ -38,6 +38,7 @@ import lightning_mics  # noqa: E402
 import lightning_mics.reliability  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from lightning_mics.sharding import stays_replicated  # noqa: E402
+from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 VOCAB, SEQ, D = 61, 8, 24  # odd sizes: uneven shards and padding
@@ -146,12 +147,10 @@ def policy_loss(s):
     the gathered parameters as bf16 copies of the fp32 ones (the small ones stay replicated in fp32), their bf16
     gradients cast to fp32 and summed there, scaled by 1 / WORLD as the engine scales its reduction."""
     def loss(model, x):
-        def rank_loss(chunk):
-            copies = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()
-                      if not stays_replicated(tuple(p.shape), 16, s)}  # strategy()'s threshold
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                return lm_loss(lambda idx: torch.func.functional_call(model, copies, (idx,)), chunk)
-        return sum(rank_loss(chunk) for chunk in x.chunk(WORLD)) / WORLD
+        cast = {n for n, p in model.named_parameters()
+                if not stays_replicated(tuple(p.shape), 16, s)}  # strategy()'s threshold
+        return sum(lm_loss(lambda idx: on_bf16_copies(model, (idx,), cast=cast), chunk)
+                   for chunk in x.chunk(WORLD)) / WORLD
     return loss
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
+from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.scripts.compat import main  # noqa: E402
 from tests.scripts.custom_optimizers import Lamb, Lion  # noqa: E402
 from tests.scripts.masters_moved import SAM, Lookahead, decay_by_hand  # noqa: E402
@@ -79,9 +80,7 @@ def policy_loss(model, world):
     autocast over bf16 copies of the fp32 parameters (the output in fp32, as Fabric returns it), its bf16 gradients
     cast to fp32 and summed there, scaled by 1 / world (exact: a power of two) as the engine scales its reduction."""
     def forward(x):
-        copies = {n: p.to(torch.bfloat16) for n, p in model.named_parameters()}
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return torch.func.functional_call(model, copies, (x,)).float()
+        return on_bf16_copies(model, (x,)).float()
 
     def loss(_, x, y):
         return sum(mse(forward, xr, yr) for xr, yr in zip(x.chunk(world), y.chunk(world))) / world
