@@ -25,6 +25,7 @@ from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
+from tests.helpers.late_collectives import LateCollectives  # noqa: E402
 from tests.helpers.live import LiveMeter  # noqa: E402
 
 VOCAB, SEQ = 61, 12  # deliberately odd sizes: uneven shards and padding
@@ -241,6 +242,9 @@ def main():
     ap.add_argument("--measure", action="store_true", help="bytes kept for backward, forward ops replayed")
     ap.add_argument("--save-states", action="store_true", help="rank 0 writes each variant's full state dict")
     ap.add_argument("--num-nodes", type=int, default=1, help="Trainer(num_nodes=...): real hosts (torchrun --nnodes)")
+    ap.add_argument("--late", type=float, default=0.0,
+                    help="each variant also runs with every collective finishing this many seconds late "
+                         "([Note: late collectives]); rank 0 compares the two full states bit for bit")
     args = ap.parse_args()
     global LAYERS, MEASURE
     LAYERS, MEASURE = args.layers, args.measure
@@ -262,8 +266,13 @@ def main():
     results = []
     for k, variant in enumerate(variants):
         try:
-            results.append(run_variant(args, dict(variant), world, rank, train, val, ref,
-                                       Path(args.out) / f"state{k}.pt" if args.save_states else None))
+            res = run_variant(args, dict(variant), world, rank, train, val, ref,
+                              Path(args.out) / f"state{k}.pt" if args.save_states else None)
+            if args.late:
+                late = run_variant(args, dict(variant), world, rank, train, val, ref, late=args.late)
+                res["late"] = compare_late(res, late)
+            res.pop("_full")
+            results.append(res)
         except Exception:
             import traceback
 
@@ -273,7 +282,21 @@ def main():
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
 
 
-def run_variant(args, variant, world, rank, train, val, ref, save_to=None):
+def compare_late(prompt, late):
+    """The run whose collectives finished late against the prompt one: equal bit for bit (rank 0 holds the full
+    state), the same collectives issued."""
+    out = {"issued": late["late_issued"], "same_comms": prompt["comms"] == late["comms"],
+           "global_step": late["global_step"]}
+    if prompt["_full"] is not None:
+        a, b = prompt["_full"], late["_full"]
+        out["keys_match"] = sorted(a) == sorted(b)
+        out["max_abs"] = max(((a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0)
+                             for k in a)
+        out["bit_equal"] = all(torch.equal(a[k], b[k]) for k in a)
+    return out
+
+
+def run_variant(args, variant, world, rank, train, val, ref, save_to=None, late=0.0):
     s = variant.pop("s", args.s)
     strategy = MiCSStrategy(sharded_data_parallel_degree=s, param_persistence_threshold=args.threshold,
                             reduce_bucket_size=args.bucket, state_dict_type="full", **variant)
@@ -308,14 +331,22 @@ def run_variant(args, variant, world, rank, train, val, ref, save_to=None):
             gathered.update(ref.fqn.removeprefix("model.") for u in eng.units for sp in u.params for ref in sp.refs)
 
     trainer.callbacks.append(Grab())
-    trainer.fit(module, train, val)
-    full = trainer.strategy.lightning_module_state_dict()  # after fit: module restored, plain state dict
+    mode = LateCollectives(late) if late else None
+    if mode is not None:
+        mode.__enter__()
+    try:
+        trainer.fit(module, train, val)
+        full = trainer.strategy.lightning_module_state_dict()  # after fit: module restored, plain state dict
+    finally:
+        if mode is not None:
+            mode.__exit__(None, None, None)
     result = {"state_bytes": state_bytes, "n_params": n_params,
               "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
               "comms": counter.per_batch, "stats": counter.stats, "live_peak": counter.live_peak,
               "live_param_peak": counter.live_param_peak,
               "kept_bytes": counter.kept, "replayed_forward_ops": counter.replayed,
-              "global_step": trainer.global_step}
+              "global_step": trainer.global_step, "_full": full if rank == 0 else None,
+              "late_issued": dict(mode.issued) if mode is not None else None}
     if rank == 0 and save_to is not None:
         torch.save(full, save_to)
     if rank == 0:

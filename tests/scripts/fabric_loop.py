@@ -13,7 +13,9 @@ split), ``count:<s>:<accum>`` (collectives per step with and without no_backward
 another run's checkpoints in this layout), ``order`` (an optimizer built before setup_module is refused),
 ``feedback:<s>`` / ``feedback_load:<s>:<block>`` (``resume`` with error-feedback quantization; its
 checkpoint loaded with another block size), ``torchsd:<s>`` (torch's distributed state-dict API and DCP),
-``filter:<s>:<sharded|full>`` (``fabric.save(..., filter=...)``). Under ``bf16-mixed`` an ``equiv`` case is also
+``filter:<s>:<sharded|full>`` (``fabric.save(..., filter=...)``), ``late:<s>:<accum>:<opt>:<clip>:<precision>:<options
+as JSON>`` (the loop twice, its collectives finishing 30 ms late the second time: [Note: late collectives]; the
+two full states bit for bit). Under ``bf16-mixed`` an ``equiv`` case is also
 compared with one process under MiCS's precision policy (``policy_loss``; ``policy_max_abs``).
 """
 
@@ -40,6 +42,7 @@ from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from lightning_mics.sharding import stays_replicated  # noqa: E402
 from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
+from tests.helpers.late_collectives import LateCollectives  # noqa: E402
 
 VOCAB, SEQ, D = 61, 8, 24  # odd sizes: uneven shards and padding
 GLOBAL_BATCH, STEPS = 8, 4
@@ -620,7 +623,33 @@ def case_quant(s, accum, block, layout=""):
     return out
 
 
-CASES = {"quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume,
+def case_late(s, accum, kind, clip, precision="32-true", *options):
+    """The same loop with prompt collectives and with collectives that finish late: equal bit for bit."""
+    finals, issued = [], {}
+    for delay in (0.0, 0.03):
+        mode = LateCollectives(delay) if delay else None
+        if mode is not None:
+            mode.__enter__()
+        try:
+            fabric = new_fabric(int(s), precision, **json.loads(":".join(options) or "{}"))  # (JSON has colons)
+            model, opt, _ = setup(fabric, "split", kind, layers=3)
+            fabric_steps(fabric, model, opt, batches(int(accum)), clip, 0, STEPS)
+            with torch.no_grad():
+                model(batches(1)[0, 0, :2, :-1])  # a forward outside the loop, as a probe would
+            finals.append(full_state(fabric, model))
+        finally:
+            if mode is not None:
+                mode.__exit__(None, None, None)
+                issued = dict(mode.issued)
+    a, b = finals
+    res = {"issued": issued}
+    if a:
+        res["bit_equal"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+        res["max_abs"] = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    return res
+
+
+CASES = {"late": case_late, "quant": case_quant, "equiv": case_equiv, "count": case_count, "gan": case_gan, "resume": case_resume,
          "load": case_load, "order": case_order, "nonfinite": case_nonfinite, "feedback": case_feedback,
          "feedback_load": case_feedback_load, "feedback_rows": case_feedback_rows, "torchsd": case_torchsd,
          "filter": case_filter}
