@@ -378,20 +378,21 @@ import triton.language as tl
 from triton_kernels.quant_pack import quantize_kernel
 from triton_kernels.quant_unpack import dequantize_kernel, dequantize_sum_kernel
 i64, i32 = "i64", "i32"
+T = dict(table="*i64", rel="*i64", first_ptr=i64)  # the tensor table and the addresses ([Note: descriptor tables])
 cases = [
-    (quantize_kernel, dict(table="*i64", n_rows=i64, residual="*bf16", wire="*u8", n=i64, chunk=i64, nblocks=i64,
+    (quantize_kernel, dict(**T, n_rows=i64, residual="*bf16", wire="*u8", n=i64, chunk=i64, nblocks=i64,
                            row_bytes=i64, block_size=i32), dict(SRC=tl.float32, MIXED=True, HAS_RES=True,
                            LOG_ROWS=7, BLOCK=2048)),
-    (quantize_kernel, dict(table="*i64", n_rows=i64, residual="*u8", wire="*u8", n=i64, chunk=i64, nblocks=i64,
+    (quantize_kernel, dict(**T, n_rows=i64, residual="*u8", wire="*u8", n=i64, chunk=i64, nblocks=i64,
                            row_bytes=i64, block_size=i32), dict(SRC=tl.bfloat16, MIXED=False, HAS_RES=False,
                            LOG_ROWS=1, BLOCK=4096)),
-    (quantize_kernel, dict(table="*i64", residual="*fp32", wire="*u8", chunk=i64, nblocks=i64, row_bytes=i64),
+    (quantize_kernel, dict(**T, residual="*fp32", wire="*u8", chunk=i64, nblocks=i64, row_bytes=i64),
      dict(n_rows=1, n=1, block_size=1, SRC=tl.float16, MIXED=False, HAS_RES=True, LOG_ROWS=1, BLOCK=16)),
     (dequantize_sum_kernel, dict(wire="*u8", out="*fp32", chunk=i64, nblocks=i64, row_bytes=i64),
      dict(num_chunks=1, block_size=1, BLOCK=16)),  # ints equal to 1 arrive as constants (Triton specializes them)
-    (dequantize_kernel, dict(table="*i64", n_rows=i64, wire="*u8", n=i64, chunk=i64, nblocks=i64, row_bytes=i64,
+    (dequantize_kernel, dict(**T, n_rows=i64, wire="*u8", n=i64, chunk=i64, nblocks=i64, row_bytes=i64,
                              block_size=i32), dict(DST=tl.bfloat16, MIXED=True, LOG_ROWS=7, BLOCK=4096)),
-    (dequantize_kernel, dict(table="*i64", wire="*u8", chunk=i64, nblocks=i64, row_bytes=i64),
+    (dequantize_kernel, dict(**T, wire="*u8", chunk=i64, nblocks=i64, row_bytes=i64),
      dict(n_rows=1, n=1, block_size=1, DST=tl.float32, MIXED=False, LOG_ROWS=1, BLOCK=16)),
     (dequantize_sum_kernel, dict(wire="*u8", out="*fp32", num_chunks=i32, chunk=i64, nblocks=i64, row_bytes=i64,
                                  block_size=i32), dict(BLOCK=2048)),

@@ -214,7 +214,7 @@ def test_aligned_flags_are_sound():
     """A tensor is marked ALIGNED (unmasked 128-bit accesses on a GPU) only if every one of its chunk
     starts is 16-byte aligned on both sides; the interpreter ignores alignment, so check it here."""
     from triton_kernels._checks import make_layout
-    from triton_kernels._table import ALIGNED, _CACHE, descriptors
+    from triton_kernels._table import ALIGNED, MAX_ENTRIES, _CACHE, addresses, descriptors
 
     base, n_fast = torch.empty(1 << 16), 0
     cases = [[base[:64], base[64:81], base[96:96 + 257]], [base[4:20].view(4, 4), base[1:9]],
@@ -225,17 +225,19 @@ def test_aligned_flags_are_sound():
             for dtype in DTYPES:
                 for shift in (0, 1, 8):
                     buf = torch.empty(nc * layout.total + shift, dtype=dtype)[shift:]
-                    table = descriptors(ts, layout, buf).table
-                    for t, row, seg, off in zip(ts, table.tolist(), layout.segs, layout.offsets):
+                    ptrs = [t.data_ptr() for t in ts]
+                    table = descriptors(ts, layout, buf, ptrs).table
+                    rel, first_ptr = addresses(ts, ptrs, buf.device)
+                    for t, row, r, seg, off in zip(ts, table.tolist(), rel.tolist(), layout.segs, layout.offsets):
                         sound = all((t.data_ptr() + j * seg * t.element_size()) % 16 == 0
                                     and (buf.data_ptr() + (j * layout.total + off) * buf.element_size()) % 16 == 0
                                     for j in range(nc))
-                        assert row[0] == t.data_ptr() and row[1] == t.numel()
-                        assert not (row[5] & ALIGNED) or sound, (t.shape, nc, dtype, shift)
-                        n_fast += bool(row[5] & ALIGNED)
+                        assert first_ptr + r == t.data_ptr() and row[:3] == [t.numel(), seg, off]
+                        assert not (row[4] & ALIGNED) or sound, (t.shape, nc, dtype, shift)
+                        n_fast += bool(row[4] & ALIGNED)
     assert n_fast > 0  # and the fast path is not simply switched off
     assert _CACHE  # tables are cached ...
-    assert len(_CACHE) <= 64  # ... in a bounded LRU
+    assert len(_CACHE) <= MAX_ENTRIES  # ... in a bounded LRU
 
 
 # --- casts, bit for bit -------------------------------------------------------------------------------
@@ -388,10 +390,10 @@ else:
     raise AssertionError("backend='triton' on CPU without the interpreter must fail")
 for k, buf, t, mixed in [(pack_kernel, "*bf16", tl.float32, False), (unpack_kernel, "*fp32", tl.float16, True)]:
     names = k.arg_names
-    sig = {"table": "*i64", "block_map": "*i64", "buf": buf, "total": "i64", names[4]: "constexpr",
-           "MIXED": "constexpr", "BLOCK": "constexpr"}
-    src = ASTSource(fn=k, signature=sig, constexprs={names[4]: t, "MIXED": mixed, "BLOCK": 4096},
-                    attrs={(2,): [["tt.divisibility", 16]]})
+    sig = {"table": "*i64", "block_map": "*i64", "rel": "*i64", "first_ptr": "i64", "buf": buf, "total": "i64",
+           names[6]: "constexpr", "MIXED": "constexpr", "BLOCK": "constexpr"}
+    src = ASTSource(fn=k, signature=sig, constexprs={names[6]: t, "MIXED": mixed, "BLOCK": 4096},
+                    attrs={(4,): [["tt.divisibility", 16]]})
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     assert re.search(r"ld\\.global\\.v4\\.b32", ptx) and re.search(r"st\\.global\\.v4\\.b32", ptx), ptx[-3000:]
 print("ok")

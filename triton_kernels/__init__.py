@@ -11,21 +11,26 @@
     part = triton_kernels.dequantize_sum(wire, num_chunks, block_size, out=None, backend="auto")  # fp32 sum
     (block-quantized int8 with fp32 scales for the slow hop: see quant_api.py and _quant_layout.py)
 
-backend: "auto" runs Triton on CUDA tensors and torch ops elsewhere; "triton" forces the kernels
-(on CPU only under TRITON_INTERPRET=1); "torch" forces the fallback. Both give bit-identical results
-(NaN payloads aside: see _copy.py). Supported dtypes: float32, bfloat16, float16, mixed freely.
-No Lightning here, and triton itself is optional: it is imported only when a kernel runs.
+backend: "auto" runs Triton on CUDA tensors (the bucket copies from a size up: [Note: auto's size rule]
+in _backend.py) and torch ops elsewhere; "triton" forces the kernels (on CPU only under
+TRITON_INTERPRET=1); "torch" forces the fallback. Both give bit-identical results (NaN payloads aside:
+see _copy.py). Supported dtypes: float32, bfloat16, float16, mixed freely. No Lightning here, and
+triton itself is optional: it is imported only when a kernel runs.
+
+    triton_kernels.table_stats()   # lookups, builds, per-call pointer copies of the kernels' descriptor tables
+    (built once per bucket shape: [Note: descriptor tables] in _table.py; reset_table_stats() zeroes them)
 
 Not to be confused with the `triton_kernels` package in Triton's own repository or the
 `triton-kernels` distribution on PyPI; this one belongs to lightning-mics.
 """
 
-from ._backend import BACKENDS, triton_available
+from ._backend import AUTO_MIN_NUMEL, BACKENDS, triton_available
 from ._checks import SUPPORTED_DTYPES
 from ._quant_layout import MAX_BLOCK_SIZE, QuantLayout, quant_layout, wire_views
+from ._table import TableStats, reset_table_stats, table_stats
 from .api import chunk_cat, chunk_split, flatten, scatter
 from .quant_api import Quantized, dequantize, dequantize_sum, quantize
 
-__all__ = ["BACKENDS", "MAX_BLOCK_SIZE", "QuantLayout", "Quantized", "SUPPORTED_DTYPES", "chunk_cat", "chunk_split",
-           "dequantize", "dequantize_sum", "flatten", "quant_layout", "quantize", "scatter", "triton_available",
-           "wire_views"]
+__all__ = ["AUTO_MIN_NUMEL", "BACKENDS", "MAX_BLOCK_SIZE", "QuantLayout", "Quantized", "SUPPORTED_DTYPES",
+           "TableStats", "chunk_cat", "chunk_split", "dequantize", "dequantize_sum", "flatten", "quant_layout",
+           "quantize", "reset_table_stats", "scatter", "table_stats", "triton_available", "wire_views"]

@@ -45,12 +45,26 @@ def kernels_interpreted() -> bool:
     return _INTERPRETED
 
 
-def use_triton(backend: str, device: torch.device | None) -> bool:
-    """"auto": Triton for CUDA tensors (compiled, not interpreted), torch elsewhere; "triton" forces it."""
+# [Note: auto's size rule]
+# On CUDA "auto" runs a bucket copy in Triton from AUTO_MIN_NUMEL buffer elements up (padding included), and
+# chunk_split with a cast at any size; torch below. benchmarks/kernels_h100.md (H100, triton 3.6, 10 and 100
+# fp32 tensors, 1 MB - 1 GB): from 256 MB of fp32 (2**26 elements) every copy op ran at 0.97-9.7x of its best
+# torch baseline; at 64 MB and below flatten ran at 0.03-0.88x (with or without a cast) and the other no-cast
+# ops at 0.11-1.94x by tensor count (host launch cost), chunk_split with a cast at 2.8-11.4x. 64-256 MB was not
+# measured: the threshold is the first size where Triton won everywhere. Those runs reused their tensors; measure
+# again on a GPU with `python benchmarks/kernels.py --rotate` and set it here. The quantized ops take no size:
+# 2.3-21x the torch fallback of then at every size from 1 MB (quant_kernels_h100.md).
+AUTO_MIN_NUMEL = 1 << 26
+
+
+def use_triton(backend: str, device: torch.device | None, numel: int | None = None) -> bool:
+    """"auto": Triton for CUDA tensors (compiled, not interpreted) of at least `numel` >= AUTO_MIN_NUMEL
+    elements (None: any size), torch elsewhere ([Note: auto's size rule]); "triton" forces it."""
     if backend == "torch" or device is None:
         return False
     if backend == "auto":
-        return device.type == "cuda" and triton_available() and not kernels_interpreted()
+        return (device.type == "cuda" and (numel is None or numel >= AUTO_MIN_NUMEL) and triton_available()
+                and not kernels_interpreted())
     if not triton_available():
         raise RuntimeError("backend='triton' needs the optional `triton` package (pip install triton)")
     interpreted = kernels_interpreted()

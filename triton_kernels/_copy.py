@@ -21,8 +21,9 @@ import triton.language as tl
 
 from ._backend import kernels_interpreted
 from ._checks import Layout
-from ._table import BLOCK, descriptors
+from ._table import BLOCK, QCOLS, addresses, descriptors
 
+_QCOLS = tl.constexpr(QCOLS)
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -75,12 +76,12 @@ def copy_block(src_addr, src_start, n_src, dst_addr, dst_start, n_dst, fast,
 
 @triton.jit
 def last_at_or_before(table, n_rows, target, LOG_ROWS: tl.constexpr):
-    """The last row of a tensor_table (see _table.py) whose flat offset (column 2) is <= target."""
+    """The last row of a tensor_table (see _table.py) whose flat offset (column 0) is <= target."""
     a = tl.full([], 0, tl.int64)
     b = a + n_rows  # (n_rows may arrive as the constant 1: Triton specializes integer arguments equal to 1)
     for _ in tl.static_range(LOG_ROWS):
         mid = (a + b) // 2
-        ok = tl.load(table + mid * 4 + 2) <= target
+        ok = tl.load(table + mid * _QCOLS) <= target
         a = tl.where(ok, mid, a)
         b = tl.where(ok, b, mid)
     return a
@@ -102,11 +103,12 @@ def launch_table_kernel(kernel, tensors, layout: Layout, buf: torch.Tensor, dtyp
     Shared by pack and unpack; `dtype_arg` names the kernel's constexpr for the tensors' dtype
     ("SRC" when packing them, "DST" when unpacking into them).
     """
-    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total
-    assert all(t.is_contiguous() and t.device == buf.device for t in tensors)
-    d = descriptors(tensors, layout, buf)
+    assert buf.is_contiguous() and buf.numel() == layout.num_chunks * layout.total  # (tensors: checked by api.py)
+    ptrs = [t.data_ptr() for t in tensors]
+    d = descriptors(tensors, layout, buf, ptrs)
     if d.n_blocks == 0:
         return
+    a = addresses(tensors, ptrs, buf.device)
     dtype = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
-    launch(kernel, (d.n_blocks, layout.num_chunks), d.table, d.block_map, buf, layout.total,
+    launch(kernel, (d.n_blocks, layout.num_chunks), d.table, d.block_map, a.rel, a.base, buf, layout.total,
            MIXED=d.dtype is None, BLOCK=BLOCK, num_warps=4, **{dtype_arg: dtype})

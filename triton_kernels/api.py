@@ -64,12 +64,12 @@ def _pack(tensors, num_chunks, out, dtype, backend, two_d):
     if layout.total == 0:
         return out
     with torch.no_grad():
-        if use_triton(backend, device):
+        if use_triton(backend, device, num_chunks * layout.total):
             from .pack import launch_pack
 
             launch_pack(tensors, layout, out)
         elif not two_d:
-            _fallback.flatten(tensors, out.view(-1))
+            _fallback.flatten(tensors, out.view(-1), layout)
         else:
             _fallback.chunk_cat(tensors, layout, out.view(num_chunks, layout.total))
     return out
@@ -82,8 +82,10 @@ def _unpack(flat, outs, num_chunks, backend):
     check_buffer("flat", flat, num_chunks * layout.total, None if num_chunks == 1 else num_chunks, device)
     if layout.total == 0:
         return outs
+    # [Note: auto's size rule]: chunk_split with a cast is Triton's at any size, the others from a size up
+    casts = num_chunks > 1 and backend == "auto" and any([o.dtype != flat.dtype for o in outs])
     with torch.no_grad():
-        if use_triton(backend, device):
+        if use_triton(backend, device, None if casts else num_chunks * layout.total):
             from .unpack import launch_unpack
 
             launch_unpack(flat, outs, layout)

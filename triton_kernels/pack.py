@@ -26,13 +26,16 @@ _ALIGNED = tl.constexpr(ALIGNED)
 
 
 @triton.jit
-def pack_kernel(table, block_map, buf, total, SRC: tl.constexpr, MIXED: tl.constexpr, BLOCK: tl.constexpr):
+def pack_kernel(table, block_map, rel, first_ptr, buf, total, SRC: tl.constexpr, MIXED: tl.constexpr,
+                BLOCK: tl.constexpr):
     g = tl.program_id(0)
     j = tl.program_id(1).to(tl.int64)  # chunk = row of the buffer
-    row = table + tl.load(block_map + g) * _NCOLS
-    addr, numel, seg, off = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-    local = (g - tl.load(row + 4)) * BLOCK  # this block's start inside the tensor's chunk
-    flags = tl.load(row + 5)
+    i = tl.load(block_map + g)  # the tensor this block belongs to
+    row = table + i * _NCOLS
+    addr = first_ptr + tl.load(rel + i)  # its data pointer ([Note: descriptor tables] in _table.py)
+    numel, seg, off = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+    local = (g - tl.load(row + 3)) * BLOCK  # this block's start inside the tensor's chunk
+    flags = tl.load(row + 4)
     src_start = j * seg + local
     dst_start = j * total + off + local
     n_src = numel - src_start  # <= 0 for blocks of pure padding

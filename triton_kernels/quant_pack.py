@@ -6,7 +6,7 @@ residual update after: six to ten passes over the bucket and as many launches. H
 every input byte once (and the residual once) and writes the int8 values, the scales and the new
 residual once. Program (k, j) owns block k of chunk j (see [Note: quantized wire format] in
 _quant_layout.py); a block may span many small tensors: it finds the first and last by binary search
-in the pointer table (flat offsets increase) and loads each tensor's part with a masked load, the
+in the tensor table (flat offsets increase) and loads each tensor's part with a masked load, the
 dtype branch uniform per tensor as in pack.py. Measured on an H100 (benchmarks/kernels.py, 10 fp32
 tensors, 2048-element blocks, 8 chunks): 1 GB bucket in 0.81 ms (0.55 of copy bandwidth), 11.8x the
 torch fallback; with error feedback 2.0 ms (0.58 of copy), 7.0x. Not yet at copy speed: the loads are
@@ -24,8 +24,9 @@ import triton.language as tl
 
 from ._copy import TL_DTYPES, cast_to, last_at_or_before, launch
 from ._quant_layout import QuantLayout
-from ._table import tensor_table
+from ._table import QCOLS, addresses, tensor_table
 
+_QCOLS = tl.constexpr(QCOLS)
 _RNE = tl.constexpr(12582912.0)  # 1.5 * 2**23: y + _RNE - _RNE rounds y to an integer, half to even
 
 
@@ -35,7 +36,7 @@ def _load_f32(addr, local, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def quantize_kernel(table, n_rows, residual, wire, n, chunk, nblocks, row_bytes, block_size,
+def quantize_kernel(table, n_rows, rel, first_ptr, residual, wire, n, chunk, nblocks, row_bytes, block_size,
                     SRC: tl.constexpr, MIXED: tl.constexpr, HAS_RES: tl.constexpr, LOG_ROWS: tl.constexpr,
                     BLOCK: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)  # block inside the chunk
@@ -50,12 +51,13 @@ def quantize_kernel(table, n_rows, residual, wire, n, chunk, nblocks, row_bytes,
     first = last_at_or_before(table, n_rows, lo, LOG_ROWS)
     last = last_at_or_before(table, n_rows, tl.maximum(hi - 1, lo), LOG_ROWS)
     for t in range(first, last + 1):  # every tensor that overlaps the block
-        row = table + t * 4
-        addr, numel, off = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+        row = table + t * _QCOLS
+        addr = first_ptr + tl.load(rel + t)  # [Note: descriptor tables] in _table.py
+        off, numel = tl.load(row), tl.load(row + 1)
         m = real & (gi >= off) & (gi < off + numel)
         local = gi - off
         if MIXED:
-            tag = tl.load(row + 3)
+            tag = tl.load(row + 2)
             if tag == 0:
                 v = _load_f32(addr, local, m, tl.float32)
             elif tag == 1:
@@ -87,9 +89,11 @@ def launch_quantize(tensors, layout: QuantLayout, residual: torch.Tensor | None,
     if layout.blocks == 0:
         return
     d = tensor_table(tensors, wire.device)
+    live = [t for t in tensors if t.numel()]  # the table's rows
+    a = addresses(live, [t.data_ptr() for t in live], wire.device)
     src = TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32
     block = max(16, triton.next_power_of_2(layout.block_size))
-    launch(quantize_kernel, (layout.blocks, layout.num_chunks), d.table, d.n_blocks,
+    launch(quantize_kernel, (layout.blocks, layout.num_chunks), d.table, d.n_blocks, a.rel, a.base,
            residual if residual is not None else wire, wire, layout.numel, layout.chunk, layout.blocks,
            layout.row_bytes, layout.block_size, SRC=src, MIXED=d.dtype is None, HAS_RES=residual is not None,
            LOG_ROWS=max(1, (d.n_blocks - 1).bit_length()), BLOCK=block, num_warps=4 if block <= 4096 else 8,

@@ -5,7 +5,7 @@ multiply, and the split + cast into the outputs (torch: four passes and an (r, c
 Here one launch reads every int8 value once and writes every output once in its own dtype (bf16
 rounded to nearest even with integer ops, as in _copy.py). Program (k, j) owns block k of chunk j,
 as in quant_pack.py: one scale, B contiguous int8 values, and a masked store into each output the
-block overlaps (found by binary search in the pointer table). A first version ran over the outputs'
+block overlaps (found by binary search in the tensor table). A first version ran over the outputs'
 blocks (unpack.py's table) and found each element's chunk and block by integer division: on an H100
 it reached 0.21 of copy bandwidth for 1 GB buckets (64-bit division per element); this one 0.97
 (fp32 outputs, 10 tensors, 0.46 ms, 7.3x the torch fallback; bf16 outputs 0.67 of copy).
@@ -23,7 +23,9 @@ import triton.language as tl
 
 from ._copy import TL_DTYPES, cast_to, last_at_or_before, launch
 from ._quant_layout import QuantLayout
-from ._table import tensor_table
+from ._table import QCOLS, addresses, tensor_table
+
+_QCOLS = tl.constexpr(QCOLS)
 
 
 @triton.jit
@@ -32,7 +34,7 @@ def _store_as(addr, local, v, mask, DT: tl.constexpr):
 
 
 @triton.jit
-def dequantize_kernel(table, n_rows, wire, n, chunk, nblocks, row_bytes, block_size,
+def dequantize_kernel(table, n_rows, rel, first_ptr, wire, n, chunk, nblocks, row_bytes, block_size,
                       DST: tl.constexpr, MIXED: tl.constexpr, LOG_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     k = tl.program_id(0).to(tl.int64)  # block inside the chunk
     j = tl.program_id(1).to(tl.int64)  # chunk = row of the wire
@@ -47,11 +49,12 @@ def dequantize_kernel(table, n_rows, wire, n, chunk, nblocks, row_bytes, block_s
     first = last_at_or_before(table, n_rows, lo, LOG_ROWS)
     last = last_at_or_before(table, n_rows, tl.maximum(hi - 1, lo), LOG_ROWS)
     for t in range(first, last + 1):  # every output that overlaps the block
-        row = table + t * 4
-        addr, numel, off = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+        row = table + t * _QCOLS
+        addr = first_ptr + tl.load(rel + t)  # [Note: descriptor tables] in _table.py
+        off, numel = tl.load(row), tl.load(row + 1)
         m = real & (gi >= off) & (gi < off + numel)
         if MIXED:
-            tag = tl.load(row + 3)
+            tag = tl.load(row + 2)
             if tag == 0:
                 _store_as(addr, gi - off, v, m, tl.float32)
             elif tag == 1:
@@ -82,9 +85,11 @@ def launch_dequantize(wire: torch.Tensor, outs, layout: QuantLayout) -> None:
     if layout.blocks == 0:
         return
     d = tensor_table(outs, wire.device)
+    live = [o for o in outs if o.numel()]  # the table's rows
+    a = addresses(live, [o.data_ptr() for o in live], wire.device)
     block = max(16, triton.next_power_of_2(layout.block_size))
-    launch(dequantize_kernel, (layout.blocks, layout.num_chunks), d.table, d.n_blocks, wire, layout.numel,
-           layout.chunk, layout.blocks, layout.row_bytes, layout.block_size,
+    launch(dequantize_kernel, (layout.blocks, layout.num_chunks), d.table, d.n_blocks, a.rel, a.base, wire,
+           layout.numel, layout.chunk, layout.blocks, layout.row_bytes, layout.block_size,
            DST=TL_DTYPES[d.dtype] if d.dtype is not None else tl.float32, MIXED=d.dtype is None,
            LOG_ROWS=max(1, (d.n_blocks - 1).bit_length()), BLOCK=block, num_warps=4 if block <= 4096 else 8)
 
