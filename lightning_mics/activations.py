@@ -28,6 +28,24 @@ compute stream instead of a side stream, were tried there and neither stood out 
 32 sequences the GPU sets the step, and offload cost 0.8% of it (median of three rounds, inside their spread). On CPU
 the host copy is a plain copy: the same code path, no memory saved (the device is the host).
 
+[Note: offload streams]
+A tensor used on the side stream is allocated on the stream that frees it, or ``record_stream``ed to the side stream:
+the copy out reads the input (allocated and freed by the compute stream, recorded to the side stream); the copy back's
+buffer is allocated on the compute stream, which frees it after the replay, so the caching allocator keeps one pool
+for both. Its block may have served a tensor whose last compute op is still queued: the side stream waits for the
+compute stream before writing it (so the copy back starts after the compute work queued when the group's output
+gradient is ready), and it is recorded to the side stream for a backward that drops it unread. The replay waits for
+the copy's event on the compute stream.
+
+[Note: offload and the RNG]
+torch's checkpoint saves the RNG state of the CPU and of the devices of its inputs, restores it for the replay (the
+forward's dropout masks again) and puts the current one back after (later draws unmoved). Given the host copies alone
+it would save the CPU's only: on CUDA the replay would draw other masks and shift every later draw, silently. So the
+checkpoint also gets an empty tensor on each device whose inputs were offloaded and no other input is on (one per
+device, kept; the replay drops them), and saves that device's RNG state as without offload. Tests: the engine with
+dropout in every block, offload on and off bit-equal, gradients and RNG states (tests/test_offload_rng.py); the same
+check on any device, a GPU's included: ``offload_dropout_check`` (tests/helpers/offload_check.py).
+
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
 the same tensors, in the same order, or torch's recompute check fails. So the replay runs under the compile the
@@ -45,7 +63,7 @@ compiled under Fabric (tests/test_fabric_litgpt.py).
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -133,19 +151,24 @@ class _HostCopy:
             self.host = t.detach().clone()
 
     def prefetch(self, stream: Optional[Any]) -> None:
+        """Starts the copy back ([Note: offload streams]): the buffer allocated on the compute stream, filled on
+        the side stream once that has seen every compute op queued so far and the copy out is done."""
         if self.device.type == "cuda" and self.back is None:
+            compute = torch.cuda.current_stream(self.device)
+            self.back = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+            stream.wait_stream(compute)  # the block may have held a tensor the compute stream still uses
             with torch.cuda.stream(stream):
                 stream.wait_event(self.event)
-                self.back = self.host.to(self.device, non_blocking=True)
+                self.back.copy_(self.host, non_blocking=True)
                 self.event = torch.cuda.Event()
                 self.event.record(stream)
+            self.back.record_stream(stream)  # dropped unread (a failed backward): kept until the copy is done
 
     def restore(self, stream: Optional[Any]) -> Tensor:
         if self.device.type == "cuda":
             self.prefetch(stream)
             torch.cuda.current_stream(self.device).wait_event(self.event)
             t, self.back = self.back, None
-            t.record_stream(torch.cuda.current_stream(self.device))
         else:
             t = self.host
         return t.detach().requires_grad_(self.requires_grad)
@@ -170,6 +193,7 @@ class ActivationCheckpointing:
         self.groups = groups
         self.offload, self.log = offload, log
         self.stream = None
+        self._marker: Dict[torch.device, Tensor] = {}  # [Note: offload and the RNG]
         self._handles: List[Any] = []
         for blocks in self.groups:
             seg = _Segment(blocks)
@@ -243,11 +267,12 @@ class ActivationCheckpointing:
                     saved[i] = host[i].host.detach().requires_grad_(a.requires_grad)
                     self.log.offloaded(a.numel() * a.element_size())
         seg.host = [h for h in host if h is not None]
-
+        markers = self._markers(args, saved)  # [Note: offload and the RNG]
+        n = len(args)
         callback = seg.callback
 
         def replay(*inputs, **kw):
-            inputs = tuple(h.restore(self.stream) if h is not None else x for h, x in zip(host, inputs))
+            inputs = tuple(h.restore(self.stream) if h is not None else x for h, x in zip(host, inputs[:n]))
             prior = _set_frame_callback(callback) if callback is not None else None
             try:  # under the forward's compile, if any: the same compiled code saves the same tensors
                 out = blocks[0](*inputs, **kw)
@@ -259,8 +284,18 @@ class ActivationCheckpointing:
             return out
 
         seg.gen = _checkpoint_without_reentrant_generator(
-            replay, True, noop_context_fn, "default", False, True, *saved, **kwargs)
+            replay, True, noop_context_fn, "default", False, True, *saved, *markers, **kwargs)
         next(seg.gen)
+
+    def _markers(self, args: tuple, saved: list) -> List[Tensor]:
+        """An empty tensor on each device whose inputs were offloaded and that no other saved input is on: what
+        torch's checkpoint reads the devices to save the RNG state of from ([Note: offload and the RNG])."""
+        kept = {x.device for x in saved if isinstance(x, Tensor) and x.device.type != "cpu"}
+        gone = {a.device for a in args if isinstance(a, Tensor) and a.device.type != "cpu"} - kept
+        for d in gone:
+            if d not in self._marker:
+                self._marker[d] = torch.empty(0, device=d)
+        return [self._marker[d] for d in sorted(gone, key=str)]
 
     def _prefetch(self, copies: List[_HostCopy], grad: Tensor) -> Tensor:
         for h in copies:

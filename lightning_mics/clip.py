@@ -11,6 +11,13 @@ sum is all-reduced over exactly those dimensions. The groups are the same on eve
 every rank issues the same collectives. The result equals ``torch.nn.utils.clip_grad_norm_`` on the unsharded
 model.
 
+[Note: the norm's device]
+Every rank reduces its partial norms, also a rank that holds no gradient of a class (or none at all): its zeros
+must be where its peers' sums are, on the mesh's device (NCCL refuses a host tensor that gloo takes). So they are
+made on the device of this rank's gradients, else of its parameters (DTensors on the mesh, whose local tensors are
+on its device), else of the mesh itself (``mesh.device_type``, the current device of that type), never the host by
+default. Nothing is read back: the coefficient is applied on the device (``clamp``, ``_foreach_mul_``).
+
 ``grad_norm`` is Lightning's ``lightning.pytorch.utilities.grad_norm`` (each parameter's gradient norm and their
 total, to log in ``on_before_optimizer_step``) over the shards. Lightning's builds a plain tensor from the norms of
 the gradients, which fails on DTensor gradients (here as under FSDP2); this one gives each norm of the unsharded
@@ -19,7 +26,7 @@ gradient as a plain tensor on every rank, with one all-reduce per class of place
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Tuple, Union
+from typing import Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -44,14 +51,28 @@ def _reduce_over(part: Tensor, dims: Tuple[int, ...], mesh: DeviceMesh, inf: boo
             dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=mesh.get_group(d))
 
 
+def norm_device(grads: Sequence[Tensor], params: Sequence[Tensor], device_type: str) -> torch.device:
+    """Where the norms are summed and reduced ([Note: the norm's device]): the device of the gradients, else of
+    the parameters, of the mesh's ``device_type``; else the current device of that type."""
+    for t in (*grads, *params):
+        if local(t).device.type == device_type:
+            return local(t).device
+    acc = getattr(torch, "accelerator", None)
+    if device_type != "cpu" and acc is not None and acc.is_available() and \
+            acc.current_accelerator().type == device_type:
+        return torch.device(device_type, acc.current_device_index())
+    return torch.device(device_type)
+
+
 @torch.no_grad()
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh: DeviceMesh,
                     norm_type: float = 2.0, eps: float = 1e-6) -> Tensor:
-    seen, grads = set(), []
+    seen, grads, seen_params = set(), [], []
     by_dims: Dict[Tuple[int, ...], List[Tensor]] = {}
     for p in params:
         if id(p) not in seen:
             seen.add(id(p))
+            seen_params.append(p)
             # every rank must see the same classes, even where it holds no gradient of one: those of the
             # parameters' placements (the same on every rank) and the mesh's usual ones
             by_dims.setdefault(sharded_mesh_dims(p), [])
@@ -61,7 +82,7 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, mesh:
         by_dims.setdefault(sharded_mesh_dims(g), []).append(local(g))
     for dims in ((1,), (1, 2), (2,)) if mesh.ndim == 3 else ((1,),):
         by_dims.setdefault(dims, [])
-    device = grads[0].device if grads else torch.device("cpu")
+    device = norm_device(grads, seen_params, mesh.device_type)
     norm_type = float(norm_type)
     inf = norm_type == float("inf")
 

@@ -41,10 +41,12 @@ whatever changed them crosses:
 Before, the updated rows left right after the step and writes after it reached this replica's rows only: a clamp
 after every step ended 0.088 from DDP on 4 ranks, an average swapped in validated on a mix of rows. The cost is a
 copy of this replica's rows (1/r of the master shard) and, on a forward that no step precedes (the micro-batches
-inside an accumulation window, evaluation), the comparison and the flags' all-reduce (4 bytes a unit, latency
-only). Every rank then runs the same forwards as its replicas, as it already does with its shard group; Lightning's
-``DistributedSampler`` pads evaluation to the same batches on every rank. Not seen: a write made after a forward
-has entered the root and before a unit's backward gathers it again (inside the training step).
+inside an accumulation window, evaluation), the comparison, the flags' all-reduce (4 bytes a unit, latency only)
+and one host read of their sums ([Note: host reads per step] in reliability.py); after a step every unit is stale
+and nothing is compared or read. Every rank then runs the same forwards as its replicas, as it already does with
+its shard group; Lightning's ``DistributedSampler`` pads evaluation to the same batches on every rank. Not seen: a
+write made after a forward has entered the root and before a unit's backward gathers it again (inside the training
+step).
 
 [Note: quantized optimizer rows]
 With ``quantize_gradients`` the reduce-scatter travels as int8 blocks: steps 1-3 of [Note: quantized all-reduce]
@@ -276,7 +278,7 @@ def exchange(units: Sequence[OptimizerRows]) -> None:
     if check:
         flags = torch.stack([u.changed() for u in check])
         C.all_reduce_sum(flags, units[0].group, log=units[0].log, group_name="replicate")
-        for u, f in zip(check, flags.tolist()):
+        for u, f in zip(check, flags.tolist()):  # one host read for every unit ([Note: host reads per step])
             u.stale = u.stale or f > 0
     for u in units:
         if u.stale:

@@ -24,12 +24,21 @@ when a run ends] in optimizer_rows.py); after a lone one it waits for nothing.
 One case stays out of reach: the failing rank had an asynchronous collective in flight that no peer will ever
 match; destructing its group then waits for that collective. The engine's schedule issues the same collectives
 in the same order on every rank, so a prefetch in flight is matched by the peers' own.
+
+[Note: host reads per step]
+A host read of device data waits for the device's queued work. A steady-state optimizer step reads only: with
+``stop_on_nonfinite`` the world's summed flags, once (``check_finite``: who and what come from that read); with rows
+over replicas the units' summed changed-flags, once per forward that no step precedes ([Note: rows between steps]
+in optimizer_rows.py); with Fabric's ``clip_gradients(error_if_nonfinite=True)`` the norm, once. Host memory,
+no wait: the flags of [Note: flags without a wait] (replicated.py, ``publish``) and torch's step counts. Clipping,
+ZeRO-1's shown gradients, int8 blocks and offload read nothing. tests/test_host_reads.py counts each site on 4 ranks under
+Fabric and the Trainer and holds the engine to this list.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -80,15 +89,17 @@ class NonFiniteError(RuntimeError):
     """Raised on every rank at once by ``MiCSStrategy(stop_on_nonfinite=True)``."""
 
 
-def _local_flags(loss: Optional[Tensor], params: Sequence[torch.nn.Parameter]) -> List[bool]:
-    """(loss is non-finite, this rank's gradient shards hold a non-finite value)."""
-    bad_loss = loss is not None and isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all())
+def _local_flags(loss: Optional[Tensor], params: Sequence[torch.nn.Parameter], device: torch.device) -> Tensor:
+    """(loss is non-finite, this rank's gradient shards hold a non-finite value), as a float tensor on ``device``
+    computed there: nothing read back ([Note: host reads per step])."""
+    flags = torch.zeros(2, dtype=torch.float32, device=device)
+    if isinstance(loss, Tensor):
+        flags[0] = (~torch.isfinite(loss.detach()).all()).to(device)
     grads = [local(p.grad) for p in params if p.grad is not None]
-    bad_grad = False
     if grads:
         norms = torch._foreach_norm([g.float() for g in grads], 2.0)
-        bad_grad = not bool(torch.isfinite(torch.stack(norms)).all())
-    return [bad_loss, bad_grad]
+        flags[1] = (~torch.isfinite(torch.stack(norms)).all()).to(device)
+    return flags
 
 
 def checked(closure: Callable[[], Any], optimizer: torch.optim.Optimizer, step: Callable[[], int],
@@ -114,11 +125,12 @@ def check_finite(loss: Optional[Tensor], params: Sequence[torch.nn.Parameter], s
     checks is the global one."""
     world, rank = dist.get_world_size(), dist.get_rank()
     flags = torch.zeros(2, world, dtype=torch.float32, device=device)
-    flags[:, rank] = torch.tensor(_local_flags(loss, params), dtype=torch.float32, device=device)
+    flags[:, rank] = _local_flags(loss, params, device)
     if world > 1:
         dist.all_reduce(flags)
-    bad_loss = [r for r in range(world) if flags[0, r] > 0]
-    bad_grad = [r for r in range(world) if flags[1, r] > 0]
+    seen = flags.tolist()  # the one read of the step ([Note: host reads per step])
+    bad_loss = [r for r in range(world) if seen[0][r] > 0]
+    bad_grad = [r for r in range(world) if seen[1][r] > 0]
     if not bad_loss and not bad_grad:
         return
     what = []

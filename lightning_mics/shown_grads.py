@@ -117,12 +117,12 @@ class ShownGrads:
             elif own is None:  # the optimizer's gradient set to None by a path ``follow`` did not see
                 self._unshow(k)
             elif shown is not own:  # a copy in a lower dtype: the elements written since
-                theirs, seen = local(shown), self.seen[k]
-                if not theirs.any():  # zeroed in place (fp16 copies round the smallest gradients to zero)
-                    local(own).zero_()
-                else:
-                    written = bits(theirs) != bits(seen)
-                    local(own).copy_(torch.where(written, theirs.to(own.dtype), local(own)))
+                theirs, seen, mine = local(shown), self.seen[k], local(own)
+                written = bits(theirs) != bits(seen)
+                mine.copy_(torch.where(written, theirs.to(mine.dtype), mine))
+                # zeroed in place: all of it (a lower dtype's copy rounds the smallest gradients to zero, so
+                # "unchanged" there is not "kept"); decided on the device, no host read per parameter
+                mine.masked_fill_(~theirs.any(), 0)
                 seen.copy_(theirs)
 
     def follow(self) -> None:

@@ -71,8 +71,7 @@ def quantize(tensors: Sequence[torch.Tensor], L: QuantLayout, residual: torch.Te
         scale.masked_fill_(bad, float("nan"))
         # a zero scale (a zero block, or an absmax / 127 that underflows) divides by 1: |x| < 1 there, q = 0
         y = torch.div(xb, torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp_(-127.0, 127.0).round_()
-        if bool(bad.any()):
-            y.masked_fill_(bad.unsqueeze(-1), 0.0)  # NaN / inf blocks send q = 0 under their NaN scale
+        y.masked_fill_(bad.unsqueeze(-1), 0.0)  # NaN / inf blocks send q = 0 under their NaN scale (no host read)
         s[:, b0:b0 + nb].copy_(scale)
         q[:, start:start + nb * length].copy_(y.flatten(1))  # exact: integers in [-127, 127]
         if residual is not None:  # x - float(q) * scale, as the kernel computes it (a NaN block stays NaN)
