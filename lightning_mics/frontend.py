@@ -55,6 +55,7 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_mics import checkpoint as ckpt
@@ -199,7 +200,18 @@ def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, devic
     zero1 = optimizer_state_only(options)  # else: [Note: optimizer rows over replicas] in optimizer_rows.py
     layout = plan_layout(world_size, world_size if zero1 else s, ranks_per_node,
                          options.tensor_parallel_degree)
-    return build_topology(layout, device_type)
+    topology = build_topology(layout, device_type)
+    for group in topology.groups():  # [Note: the timeout of every group]
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=options.timeout), group)
+    return topology
+
+
+# [Note: the timeout of every group]
+# ``timeout`` bounds a collective on every group the engine uses, not only on the default group: DeviceMesh
+# creates its sub-groups with torch's default (30 minutes on gloo; 10 on NCCL unless split from a bound default
+# group), so a peer lost while the others wait in a shard or replica collective would hold them that long. Each
+# sub-group of the topology gets the option's value once it exists (tests/test_topology_and_options.py reads it
+# back from every group).
 
 
 def hierarchical(options: MiCSOptions, topology: Topology, warn: Optional[Callable[[str], None]]) -> bool:

@@ -25,6 +25,19 @@ One case stays out of reach: the failing rank had an asynchronous collective in 
 match; destructing its group then waits for that collective. The engine's schedule issues the same collectives
 in the same order on every rank, so a prefetch in flight is matched by the peers' own.
 
+[Note: a dead rank on NCCL]
+The handling above was built and tested on gloo, where a peer blocks in a host call. On NCCL a peer blocks on
+the GPU: its kernel waits for a rank that never joins while its host runs ahead until it next reads device data.
+Three things end such a job. (1) The launcher: the failing rank destroys its groups (NCCL: its communicators are
+aborted) and exits; torchrun's agent then kills every other worker of the job, and Lightning's own launcher kills
+its child ranks when one exits non-zero (every 5 s; a failed rank 0 is the launcher itself: its children are left
+to (3)). (2) NCCL: a transport that sees the peer's connection close reports an asynchronous error, and torch's
+watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default: abort and end the process) ends that rank.
+(3) ``timeout``: the watchdog aborts a collective that runs longer, on every group ([Note: the timeout of every
+group] in frontend.py). The engine sets no NCCL variable: blocking waits would stall the host at every step.
+Multi-rank NCCL has not run here (one GPU at most): on several GPUs use torchrun and a ``timeout`` near the
+longest healthy collective (checkpoints included).
+
 [Note: host reads per step]
 A host read of device data waits for the device's queued work. A steady-state optimizer step reads only: with
 ``stop_on_nonfinite`` the world's summed flags, once (``check_finite``: who and what come from that read); with rows
