@@ -21,13 +21,35 @@ order, bit-identical to the flat gather. The other order (intra first, then inte
 rank-major order with no copy, but then every rank carries p S per other node across nodes, more than the
 flat gather. Measured in benchmarks/schedule.py (RESULTS.md); inter first is the default (``HOP_ORDER``)
 because the cross-node bytes are what the two hops exist to save; on one host (loopback, no slow link) the
-copy makes it a little slower than intra first.
+copy makes it a little slower than intra first. With one rank per node (p = 1) it is one hop over the shard group.
+
+[Note: streams and buffer lifetime]
+Every collective runs on its backend's own stream (NCCL's internal ones: ``async_op=True``), issued from the compute
+stream, which also runs the copies in and out (cast, ``chunk_cat``, ``copy_out``, (de)quantization); ``wait()`` makes
+the compute stream wait for it (on NCCL without blocking the host). A side stream per group (``side_stream``) carries
+only the middle of a ``Chain``. FSDP2's alternative (copy-in, all-gather, reduce-scatter and all-reduce streams whose
+buffers are freed after recorded events) takes the copies off the compute stream; which is faster is pending a GPU
+(benchmarks/gpu_ready.py will measure both). The allocator-safety rule, on every backend: a tensor an async collective
+reads or writes is allocated on the compute stream before it is issued and stays referenced by the Work's holder
+(``FinishAfter``, ``Chain``, a unit's ``FullStorage`` readers) until its ``wait()`` ran on the compute stream; until
+then no buffer is read (output), written (input), reused, freed or resized (``resize_(0)`` frees whatever holds it).
+
+[Note: chained collectives]
+A ``Chain`` is two collectives with local work between them: the two-hop gather's hops (the int8 hop 1 dequantized
+between them), the quantized all-reduce's all-to-all and all-gather. Where ``wait()`` is stream-ordered (NCCL on CUDA)
+the second is issued at once: on the group's side stream, which waits for the compute stream, then for the first
+collective, runs the local work into buffers allocated before (its temporaries stay on it) and issues the second; the
+compute stream waits only for the second, when the result is needed. Where ``wait()`` blocks the host (gloo) the second
+is issued when the result is first needed (``advance``, or ``wait``), the same point of the program on every rank, so
+each group's sequence of collectives is the same on every rank; every chain issues both, even one dropped unused. After
+a failure a chain is ``abandon``ed without a wait: its buffers are recorded on the side stream first. Tests run the
+NCCL form on gloo with ``CHAIN_AT_ISSUE = True`` (the host waits for the first collective at issue).
 """
 
 from __future__ import annotations
 
-import time
-from typing import Callable, List, NamedTuple, Optional, Sequence
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -56,27 +78,144 @@ def reduce_scatter_single(output: Tensor, input: Tensor, group: Optional[dist.Pr
 
 class AllGatherResult(NamedTuple):
     output: Optional[Tensor]  # (s, S) rank-major; None until ``finish`` has run (two hops)
-    work: Optional[dist.Work]
-    finish: Optional[Callable[[], Tensor]] = None  # the remaining hop, run after ``work`` completes
+    work: Optional[Any]  # a holder waited like a dist.Work ([Note: streams and buffer lifetime])
+    finish: Optional[Callable[[], Tensor]] = None  # local work on the result, run after ``work`` is waited for
 
 
 class NodeGroups(NamedTuple):
     """A shard group that spans whole nodes: n nodes of p ranks ([Note: two-hop all-gather])."""
 
-    inter: dist.ProcessGroup  # the n ranks with this rank's local rank, one per node
-    intra: dist.ProcessGroup  # the p ranks of this node
+    inter: dist.ProcessGroup  # the n ranks with this rank's local rank, one per node (the shard group if p = 1)
+    intra: Optional[dist.ProcessGroup]  # the p ranks of this node; None if p = 1 (no second hop)
     nodes: int  # n
     per_node: int  # p
 
 
 class ReduceScatterResult(NamedTuple):
     output: Tensor  # (S,)
-    work: Optional[dist.Work]
+    work: Optional[Any]  # a holder waited like a dist.Work
 
 
 def _record(log: Optional[CommLog], op: str, group_name: str, nbytes: int) -> None:
     if log is not None:
         log.record(op, group_name, nbytes)
+
+
+# -- holders of collectives in flight ([Note: streams and buffer lifetime]) -----------------------------------------
+CHAIN_AT_ISSUE: Optional[bool] = None  # None: where waits are stream-ordered; True: everywhere (tests, on gloo)
+_SIDE_STREAMS: Dict[Tuple[str, Optional[int]], Any] = {}
+
+
+def side_stream(group: dist.ProcessGroup, device: torch.device) -> Optional[Any]:
+    """The stream the middle of a ``Chain`` whose second collective runs on ``group`` runs on where ``wait()`` is
+    stream-ordered (NCCL on CUDA), one per group and device; None where the host waits ([Note: chained
+    collectives])."""
+    if device.type != "cuda":
+        return None
+    backend = str(dist.get_backend(group))  # "nccl", or per device type: "cpu:gloo,cuda:nccl"
+    if ":" in backend:
+        backend = dict(part.split(":", 1) for part in backend.split(",")).get("cuda", "")
+    if backend != "nccl":
+        return None
+    key = (group.group_name, device.index)
+    stream = _SIDE_STREAMS.get(key)
+    if stream is None:
+        stream = _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return stream
+
+
+@contextlib.contextmanager
+def _on(stream: Optional[Any]) -> Iterator[None]:
+    """Runs the block on ``stream`` after everything the compute stream has queued (nothing to do without one)."""
+    if stream is None:
+        yield
+        return
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+class FinishAfter:
+    """A collective in flight, waited like a ``dist.Work``: it holds every tensor the collective reads or writes
+    (``keep``) until the first ``wait``, which then runs ``finish`` (local work on the result), once, and drops them
+    ([Note: streams and buffer lifetime])."""
+
+    def __init__(self, work: dist.Work, finish: Optional[Callable[[], object]] = None, keep: Sequence[Tensor] = ()
+                 ) -> None:
+        self.work, self.finish, self.keep = work, finish, tuple(keep)
+
+    def wait(self, *args: object, **kwargs: object) -> bool:
+        if self.work is not None:
+            self.work.wait(*args, **kwargs)
+            self.work = None
+            finish, self.finish = self.finish, None
+            if finish is not None:
+                finish()
+            self.keep = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class Chain:
+    """Two collectives with local work between them, waited like a ``dist.Work`` ([Note: chained collectives]).
+    ``then()`` runs once the first is done (the local work) and issues the second, returning its Work; ``finish()``
+    runs after the second is waited for. ``keep``: every buffer of the two and of the work between, allocated before,
+    held until ``wait``. ``side``: ``side_stream``'s stream, or None (the host waits for the first)."""
+
+    def __init__(self, work: Optional[dist.Work], then: Optional[Callable[[], Optional[dist.Work]]],
+                 finish: Optional[Callable[[], object]] = None, keep: Sequence[Tensor] = (),
+                 side: Optional[Any] = None) -> None:
+        self._work, self._then, self._finish, self.keep, self._side = work, then, finish, tuple(keep), side
+        self.stage = 0 if work is None and then is None else 1  # 2: the second collective is issued
+        if then is not None and (side is not None or CHAIN_AT_ISSUE):
+            self.advance()
+
+    @property
+    def done(self) -> bool:
+        return self._work is None and self._then is None and self._finish is None
+
+    def advance(self) -> None:
+        """Issues the second collective after the first is done: on the side stream, or with the host waiting."""
+        if self._then is None:
+            return
+        then, self._then = self._then, None
+        with _on(self._side):
+            if self._work is not None:
+                self._work.wait()  # on the side stream: the compute stream does not wait for it
+            self._work = then()
+        self.stage = 2
+
+    def wait(self, *args: object, **kwargs: object) -> bool:
+        self.advance()
+        if self._work is not None:
+            self._work.wait(*args, **kwargs)
+            self._work = None
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        self.keep = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._then is None and (self._work is None or self._work.is_completed())
+
+    def abandon(self) -> None:
+        """Dropped without a wait (after a failure: a peer may be gone); the side stream's queued work may still
+        write the buffers, so the allocator hands them out only after it ran."""
+        if self._side is not None:
+            for t in self.keep:
+                t.record_stream(self._side)
+        self._work = self._then = self._finish = None
+        self.keep = ()
+
+
+def abandon(*works: Optional[Any]) -> None:
+    """Drops holders of collectives in flight without waiting for them ([``Chain.abandon``])."""
+    for work in works:
+        if isinstance(work, Chain):
+            work.abandon()
 
 
 def all_gather_flat(
@@ -99,7 +238,7 @@ def all_gather_flat(
         out = torch.empty(group_size * send.numel(), dtype=dtype, device=send.device)
     work = all_gather_single(out, send, group=group, async_op=async_op)
     _record(log, "all_gather", group_name, out.numel() * out.element_size())
-    return AllGatherResult(out.view(group_size, -1), work if async_op else None)
+    return AllGatherResult(out.view(group_size, -1), FinishAfter(work, keep=(send, out)) if async_op else None)
 
 
 HOP_ORDER = "inter_first"  # [Note: two-hop all-gather]
@@ -115,28 +254,43 @@ def all_gather_two_hop(
     kernels: str = "auto",
     order: str = HOP_ORDER,
 ) -> AllGatherResult:
-    """The flat all-gather's result in two hops ([Note: two-hop all-gather]). The first hop is issued here
-    (async if asked); ``finish()`` runs the second and returns the rank-major ``(s, S)`` buffer."""
+    """The flat all-gather's result in two hops ([Note: two-hop all-gather]), a ``Chain`` ([Note: chained
+    collectives]); ``gathered`` waits for it and returns the rank-major ``(s, S)`` buffer. With one rank per node
+    there is one hop, over ``nodes.inter``."""
     dtype = dtype or shard.dtype
     send = shard if shard.dtype == dtype else triton_kernels.flatten([shard], dtype=dtype, backend=kernels)
     n, p, size = nodes.nodes, nodes.per_node, send.numel()
+    if p == 1 or nodes.intra is None:
+        return all_gather_flat(send, nodes.inter, n, async_op=async_op, log=log, group_name="inter")
     first, second = (nodes.inter, nodes.intra) if order == "inter_first" else (nodes.intra, nodes.inter)
-    k1, k2 = (n, p) if order == "inter_first" else (p, n)
-    hop1 = torch.empty(k1 * size, dtype=dtype, device=send.device)
-    work = all_gather_single(hop1, send, group=first, async_op=async_op)
-    _record(log, "all_gather", "inter" if order == "inter_first" else "intra", hop1.numel() * hop1.element_size())
+    names = ("inter", "intra") if order == "inter_first" else ("intra", "inter")
+    hop1 = torch.empty((n if order == "inter_first" else p) * size, dtype=dtype, device=send.device)
+    hop2 = torch.empty(n * p * size, dtype=dtype, device=send.device)
+    work = all_gather_single(hop1, send, group=first, async_op=True)
+    _record(log, "all_gather", names[0], hop1.numel() * hop1.element_size())
+
+    def then() -> dist.Work:
+        _record(log, "all_gather", names[1], hop2.numel() * hop2.element_size())
+        return all_gather_single(hop2, hop1, group=second, async_op=True)
 
     def finish() -> Tensor:
-        hop2 = torch.empty(k2 * hop1.numel(), dtype=dtype, device=send.device)
-        all_gather_single(hop2, hop1, group=second)
-        _record(log, "all_gather", "intra" if order == "inter_first" else "inter", hop2.numel() * hop2.element_size())
         if order == "inter_first":  # (p, n, S) row (l, a) -> rank-major (n, p, S)
             return hop2.view(p, n, size).transpose(0, 1).contiguous().view(n * p, size)
         return hop2.view(n * p, size)
 
-    if not async_op:
-        return AllGatherResult(finish(), None)
-    return AllGatherResult(None, work, finish)
+    res = AllGatherResult(None, Chain(work, then, keep=(send, hop1, hop2), side=side_stream(second, send.device)),
+                          finish)
+    return res if async_op else AllGatherResult(gathered(res), None)
+
+
+def gather_numel(size: int, group_size: int, nodes: Optional[NodeGroups] = None, int8_row_bytes: int = 0,
+                 itemsize: int = 4) -> int:
+    """Elements (of ``itemsize`` bytes) of the buffers an all-gather of ``size``-element shards holds in flight: its
+    (s, S) output; with two hops also hop 1's (n, S) output, and with an int8 hop 1 its received wire."""
+    if nodes is None:
+        return group_size * size
+    hop1 = nodes.nodes * size if nodes.per_node > 1 and nodes.intra is not None else 0
+    return group_size * size + hop1 + -(-nodes.nodes * int8_row_bytes // itemsize)
 
 
 def gathered(res: AllGatherResult, log: Optional[CommLog] = None) -> Tensor:
@@ -175,12 +329,12 @@ def reduce_scatter_grads(
     if fewest_bytes and dist.get_backend(group) == "gloo":
         recv = torch.empty_like(buf)
         work = FinishAfter(dist.all_to_all_single(recv, buf, group=group, async_op=True),
-                           lambda: torch.sum(recv, dim=0, out=out))
+                           lambda: torch.sum(recv, dim=0, out=out), keep=(buf, recv, out))
         if not async_op:
             work.wait()
         return ReduceScatterResult(out, work if async_op else None)
     work = reduce_scatter_single(out, buf.view(-1), group=group, async_op=async_op)
-    return ReduceScatterResult(out, work if async_op else None)
+    return ReduceScatterResult(out, FinishAfter(work, keep=(buf, out)) if async_op else None)
 
 
 # [Note: reduce-scatter on gloo]
@@ -190,24 +344,6 @@ def reduce_scatter_grads(
 # Where the bytes cost (the replica hop over a slow link) the reduce-scatter is an all-to-all of the rank-major
 # rows and a local sum of the k received rows (``FinishAfter``): the ring's bytes. NCCL's reduce-scatter moves
 # those already and is used as it is.
-class FinishAfter:
-    """A collective whose result needs local work once it is done (an all-to-all standing for a reduce-scatter:
-    the sum of the received rows), waited like a ``dist.Work``: the first ``wait`` runs ``finish``, once, and
-    drops what it holds."""
-
-    def __init__(self, work: dist.Work, finish: Callable[[], object]) -> None:
-        self.work, self.finish = work, finish
-
-    def wait(self, *args: object, **kwargs: object) -> bool:
-        if self.work is not None:
-            self.work.wait(*args, **kwargs)
-            self.work = None
-            finish, self.finish = self.finish, None
-            finish()
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
 
 
 def all_reduce_sum(
@@ -241,14 +377,16 @@ def bucket_runs(sizes: Sequence[int], cap: int) -> List[List[int]]:
     return out
 
 
-def wait(work: Optional[dist.Work], log: Optional[CommLog] = None) -> None:
-    """Waits for an async collective; the time blocked is what telemetry calls waiting on communication."""
+def wait(work: Optional[Any], log: Optional[CommLog] = None) -> None:
+    """Waits for an async collective (a Work or a holder of one) on the current stream; the time it stalls is what
+    telemetry calls waiting on communication (``CommLog.waiting``)."""
     if work is None:
         return
-    t0 = time.perf_counter()
-    work.wait()
-    if log is not None:
-        log.waited(time.perf_counter() - t0)
+    if log is None:
+        work.wait()
+        return
+    with log.waiting():
+        work.wait()
 
 
 def gather_flat(shard: Tensor, group: dist.ProcessGroup, group_size: int, dst: int,

@@ -71,9 +71,9 @@ class UnitGrads:
 
     def drop(self, keep_feedback: bool = False) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone)."""
-        self.needs_reduce = False
+        self.needs_reduce = self.replica_issued = False
         self.accum = self.late = self.reduced = None
-        self.replica_issued = False
+        C.abandon(*(work for work, _, _ in self._replica_work))  # [Note: chained collectives] in collectives.py
         self._replica_work.clear()
         if not keep_feedback:  # a failed step may have left a residual half-used
             self._residuals.clear()
@@ -107,11 +107,11 @@ class UnitGrads:
         """Reduce-scatters the full gradients of the trainable parameters (zeros where this rank has none),
         bucket by bucket, async; frees the full gradients. ``finish_reduce`` adds the results. ``releasing``:
         the unit is released right after, so its full storage can hold the input ([Note: staging in place] in
-        unit.py)."""
+        full_storage.py)."""
         self.needs_reduce = False
         slots = self.trainable()
         pending: List[_PendingReduce] = []
-        in_full = releasing and self.unit.stage_in_full and self.unit.state is ShardedState.GATHERED
+        in_full = releasing and self.unit.storage.stages and self.unit.state is ShardedState.GATHERED
         at = 0  # next free element (of reduce_dtype) of the full storage
         if slots:
             for bucket in self.buckets(slots):
@@ -129,13 +129,13 @@ class UnitGrads:
                 staging = None
                 if in_full:
                     n = self.s * sum(self.params[i].rows.padded_numel for i in bucket.slots)
-                    staging = self.unit.staging(at, self.s, n // self.s)
+                    staging = self.unit.storage.staging(at, self.s, n // self.s)
                     at += n
                 res = C.reduce_scatter_grads(grads, self.topo.shard_group, self.s, dtype=self.reduce_dtype,
                                              scale=1.0 / self.dp_size, async_op=True, log=self.log,
                                              kernels=self.kernels, staging=staging)
                 if in_full:
-                    self.unit.reading_full(res.work)
+                    self.unit.storage.reading(res.work)
                 pending.append(_PendingReduce(self, bucket, res))
         for sp in self.params:
             sp.full.grad = None
@@ -158,7 +158,7 @@ class UnitGrads:
     def finish_reduce(self, p: _PendingReduce) -> None:
         C.wait(p.result.work, self.log)
         self._accumulate(p.bucket, p.result.output)
-        self.unit.done_reading(p.result.work)  # [Note: staging in place]: the last reader frees the storage
+        self.unit.storage.done_reading(p.result.work)  # [Note: staging in place]: the last reader frees it
 
     def _accumulate(self, bucket: _Bucket, out: Tensor) -> None:
         """Adds a bucket's reduced shard gradients to the window's accumulator (to ``late`` once the replica
@@ -228,10 +228,9 @@ class UnitGrads:
         return res if async_op else None
 
     def start_replica_gathers(self) -> None:
-        """Int8 replica all-reduces whose all-to-all is in flight wait for it and issue their all-gather."""
-        for work, _, _ in self._replica_work:
-            if isinstance(work, Q.QuantizedReduce) and work.stage == 1:
-                work.advance()
+        """Int8 replica all-reduces not advanced yet wait for their all-to-all and issue their all-gather."""
+        for work in (w for w, _, _ in self._replica_work if isinstance(w, Q.QuantizedReduce)):
+            work.advance()  # one advanced already (at its issue, on NCCL) does nothing
 
     def residuals(self) -> List[Tensor]:
         """The error-feedback state this rank keeps (model-state accounting)."""
@@ -323,7 +322,8 @@ class UnitGrads:
 # With ``quantize_gradients`` each bucket's replica all-reduce is two collectives on the replica group with local
 # work between them ([Note: quantized all-reduce] in quantized.py): an all-to-all of int8 chunks, then, after the
 # fp32 sum and requantization, an all-gather. The all-to-all goes when the unit's all-reduce is issued; its
-# all-gather when the next unit's is (or at the end of backward), so both overlap the backward that remains, and
+# all-gather at once on NCCL (from a side stream: [Note: chained collectives] in collectives.py), else (the host
+# waits) when the next unit's is or at the end of backward, so both overlap the backward that remains, and
 # every rank issues one sequence on the group: all-to-all(u0), all-gather(u0), all-to-all(u1), ... . A late part
 # is reduced the same way (two quantizations, each within its bound). ``"error_feedback"`` keeps one residual per
 # bucket (``UnitGrads._residuals``, in the accumulator's dtype), dropped after a failure; a sharded checkpoint

@@ -32,14 +32,15 @@ visibly bad, a GradScaler skips it), so the residual is reset to 0 there rather 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 import triton_kernels
-from lightning_mics.collectives import AllGatherResult, FinishAfter, NodeGroups, ReduceScatterResult, all_gather_single
+from lightning_mics.collectives import (AllGatherResult, Chain, FinishAfter, NodeGroups, ReduceScatterResult,
+                                        all_gather_single, gathered, side_stream)
 from lightning_mics.telemetry import CommLog
 from triton_kernels._quant_layout import quant_layout
 
@@ -61,38 +62,16 @@ class Residual(NamedTuple):
     reduced: Tensor  # chunk elements: the rounding error of requantizing this rank's reduced chunk
 
 
-_Stage = Callable[[], Tuple[Optional[dist.Work], Optional["_Stage"]]]  # runs, returns (its work, the next)
+class QuantizedReduce(Chain):
+    """A quantized all-reduce in flight, waited like a ``dist.Work`` (``collectives.wait`` takes it): a ``Chain`` of
+    the all-to-all and the all-gather ([Note: chained collectives] in collectives.py). ``advance()`` issues the
+    all-gather (where the host waits for the all-to-all, at the same point of its program on every rank: it joins
+    the group's sequence of collectives); ``output`` holds the sum once ``done``."""
 
-
-class QuantizedReduce:
-    """A quantized all-reduce in flight, waited like a ``dist.Work`` (``collectives.wait`` takes it).
-
-    Two collectives with local work between them: ``advance()`` waits for the one in flight and issues the
-    next (async); ``wait()`` runs everything left. A caller that advances it must do so at the same point of
-    its program on every rank: the all-gather it issues joins the group's sequence of collectives."""
-
-    def __init__(self, output: Tensor, work: Optional[dist.Work], step: Optional[_Stage]) -> None:
-        self.output = output  # the flat: holds the sum once ``done``
-        self._work, self._step = work, step
-        self.stage = 0 if step is None else 1  # collectives issued: 1 = the all-to-all, 2 = the all-gather too
-
-    @property
-    def done(self) -> bool:
-        return self._work is None and self._step is None
-
-    def advance(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        if self._step is not None:
-            step, self._step = self._step, None
-            self._work, self._step = step()
-            self.stage += self._work is not None
-
-    def wait(self) -> bool:
-        while not self.done:
-            self.advance()
-        return True
+    def __init__(self, output: Tensor, work: Optional[dist.Work] = None, then=None, finish=None, keep=(),
+                 side=None) -> None:
+        self.output = output
+        super().__init__(work, then, finish, keep, side)
 
 
 def chunk_numel(numel: int) -> int:
@@ -140,15 +119,15 @@ def _reset_nonfinite(residual: Tensor) -> None:
 
 
 def _to_owners(flat: Tensor, group: dist.ProcessGroup, r: int, block_size: int, residual: Optional[Tensor],
-               async_op: bool, kernels: str) -> Tuple[Tensor, Tensor, Optional[dist.Work]]:
+               kernels: str) -> Tuple[Tensor, Tensor, dist.Work]:
     """Steps 1-2 of [Note: quantized all-reduce]: quantizes ``flat`` into r chunks (error feedback into
-    ``residual``) and all-to-alls them, chunk j to rank j. Returns (the sent wire, to keep referenced until the
-    work is done; the received (r, row_bytes) wire; the work)."""
+    ``residual``) and all-to-alls them (async), chunk j to rank j. Returns (the sent wire, the received (r,
+    row_bytes) wire, the work): both wires are the caller's to hold until the work is waited for."""
     sent = triton_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels, residual=residual)
     if residual is not None:
         _reset_nonfinite(residual)
     recv = torch.empty_like(sent.wire)
-    work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=async_op)
+    work = dist.all_to_all_single(recv.view(-1), sent.wire.view(-1), group=group, async_op=True)
     return sent.wire, recv, work
 
 
@@ -165,35 +144,36 @@ def quantized_all_reduce(
 ) -> QuantizedReduce:
     """In-place sum of the 1-D ``flat`` over ``group`` through int8 blocks ([Note: quantized all-reduce]).
 
-    Synchronous: returns (done) with the sum in ``flat``. ``async_op``: the all-to-all is in flight; the
-    handle's ``wait()`` (or ``collectives.wait``) finishes it, ``advance()`` stage by stage. The telemetry records
-    one ``all_reduce/<group_name>`` call with the int8 wire buffer's bytes, scales included (an fp32 all-reduce
-    records its 4 n bytes)."""
+    Synchronous: returns (done) with the sum in ``flat``. ``async_op``: in flight; the handle's ``wait()`` (or
+    ``collectives.wait``) finishes it, ``advance()`` issues its all-gather. ``flat`` is read here and written by
+    the wait, not in between. The telemetry records one ``all_reduce/<group_name>`` call with the int8 wire
+    buffer's bytes, scales included (an fp32 all-reduce records its 4 n bytes)."""
     r = dist.get_world_size(group)
     layout = quant_layout(flat.numel(), block_size, r)
     _check(flat, residual, layout)
     if r == 1 or layout.numel == 0:
-        return QuantizedReduce(flat, None, None)
+        return QuantizedReduce(flat)
     sent, recv, work = _to_owners(flat, group, r, block_size, None if residual is None else residual.contribution,
-                                  async_op, kernels)
+                                  kernels)
     _record(log, "all_reduce", group_name, recv.numel())
+    # the work between the two collectives writes only these ([Note: streams and buffer lifetime])
+    part = torch.empty(layout.chunk, dtype=torch.float32, device=flat.device)
+    mine = torch.empty(sent.shape[1], dtype=torch.uint8, device=flat.device)  # one row: this rank's reduced chunk
+    rows = torch.empty_like(sent)
 
-    def gather_stage():
-        part = triton_kernels.dequantize_sum(recv, r, block_size, backend=kernels)  # fp32, this rank's chunk
-        mine = triton_kernels.quantize([part], block_size, backend=kernels,
-                                       residual=None if residual is None else residual.reduced)
+    def then() -> dist.Work:
+        triton_kernels.dequantize_sum(recv, r, block_size, out=part, backend=kernels)  # fp32, this rank's chunk
+        triton_kernels.quantize([part], block_size, backend=kernels, out=mine,
+                                residual=None if residual is None else residual.reduced)
         if residual is not None:
             _reset_nonfinite(residual.reduced)
-        rows = torch.empty_like(sent)
-        done = all_gather_single(rows.view(-1), mine.wire.view(-1), group=group, async_op=async_op)
+        return all_gather_single(rows.view(-1), mine, group=group, async_op=True)
 
-        def copy_stage(_sent=mine.wire):  # the all-gather's input stays referenced until it is done
-            triton_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
-            return None, None
+    def finish() -> None:
+        triton_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
 
-        return done, copy_stage
-
-    res = QuantizedReduce(flat, work, gather_stage)
+    res = QuantizedReduce(flat, work, then, finish, keep=(sent, recv, part, mine, rows),
+                          side=side_stream(group, flat.device))
     if not async_op:
         res.wait()
     return res
@@ -221,19 +201,53 @@ def quantized_reduce_scatter(
     if residual is not None and residual.numel() != layout.numel:
         raise ValueError(f"residual holds {residual.numel()} elements; the flat has {layout.numel}")
     out = torch.zeros(layout.chunk, dtype=flat.dtype, device=flat.device)
-    sent, recv, work = _to_owners(flat, group, r, block_size, residual, async_op, kernels)
+    sent, recv, work = _to_owners(flat, group, r, block_size, residual, kernels)
     _record(log, "reduce_scatter", group_name, recv.numel())
 
-    def finish(_sent=sent):  # the all-to-all's input stays referenced until it is done
+    def finish() -> None:
         if out.dtype == torch.float32:
             triton_kernels.dequantize_sum(recv, r, block_size, out=out, backend=kernels)
         else:
             out.copy_(triton_kernels.dequantize_sum(recv, r, block_size, backend=kernels))
 
+    held = FinishAfter(work, finish, keep=(sent, recv, out))
     if not async_op:
-        finish()
+        held.wait()
         return ReduceScatterResult(out, None)
-    return ReduceScatterResult(out, FinishAfter(work, finish))
+    return ReduceScatterResult(out, held)
+
+
+class _Gather(NamedTuple):
+    """An int8 all-gather in flight: its work, the buffers it holds, and the dequantization still to run."""
+
+    work: dist.Work
+    keep: Tuple[Tensor, ...]  # the sent wire, the received rows, the output (and its padding's scratch)
+    out: Tensor  # (k, S) of the output dtype, once ``dequantize`` ran
+    dequantize: Callable[[], Tensor]
+
+
+def _gather(shard: Tensor, group: dist.ProcessGroup, k: int, block_size: int, dtype: torch.dtype,
+            residual: Optional[Tensor], own: Optional[Tensor], log: Optional[CommLog], group_name: str,
+            kernels: str) -> _Gather:
+    size = shard.numel()
+    mine = triton_kernels.quantize([shard], block_size, backend=kernels, residual=residual)  # one row: c = ceil(S/4)*4
+    if residual is not None:
+        _reset_nonfinite(residual)
+    if own is not None:  # one row: its padding is dropped
+        triton_kernels.dequantize(mine.wire, [own], block_size, backend=kernels)
+    rows = torch.empty(k * mine.layout.row_bytes, dtype=torch.uint8, device=shard.device)
+    work = all_gather_single(rows, mine.wire.view(-1), group=group, async_op=True)
+    _record(log, "all_gather", group_name, rows.numel())
+    out = torch.empty(k, size, dtype=dtype, device=shard.device)
+    pad = mine.layout.chunk - size  # rows are c long on the wire: the padding of each lands in a scratch
+    scratch = torch.empty(k, pad, dtype=dtype, device=shard.device)
+    outs: List[Tensor] = [t for j in range(k) for t in ((out[j], scratch[j]) if pad else (out[j],))]
+
+    def dequantize() -> Tensor:
+        triton_kernels.dequantize(rows, outs, block_size, num_chunks=k, backend=kernels)
+        return out
+
+    return _Gather(work, (mine.wire, rows, out, scratch), out, dequantize)
 
 
 def quantized_all_gather(
@@ -256,32 +270,14 @@ def quantized_all_gather(
     elements of ``dtype``): this rank's row is dequantized into it at once, the bits every rank gets for it. Returns
     the ``AllGatherResult`` protocol of ``collectives`` (``gathered`` finishes it)."""
     dtype = dtype or shard.dtype
-    size = shard.numel()
-    if residual is not None and residual.numel() != size:
-        raise ValueError(f"residual holds {residual.numel()} elements; the shard has {size}")
-    mine = triton_kernels.quantize([shard], block_size, backend=kernels, residual=residual)  # one row: c = ceil(S/4)*4
-    if residual is not None:
-        _reset_nonfinite(residual)
-    if own is not None:  # one row: its padding is dropped
-        triton_kernels.dequantize(mine.wire, [own], block_size, backend=kernels)
-    rows = torch.empty(group_size * mine.layout.row_bytes, dtype=torch.uint8, device=shard.device)
-    work = all_gather_single(rows, mine.wire.view(-1), group=group, async_op=async_op)
-    _record(log, "all_gather", group_name, rows.numel())
-
-    def finish() -> Tensor:
-        out = torch.empty(group_size, size, dtype=dtype, device=shard.device)
-        pad = mine.layout.chunk - size  # rows are c long on the wire: the padding of each lands in a scratch
-        if pad:
-            scratch = torch.empty(group_size, pad, dtype=dtype, device=shard.device)
-            outs = [t for j in range(group_size) for t in (out[j], scratch[j])]
-        else:
-            outs = list(out.unbind(0))
-        triton_kernels.dequantize(rows, outs, block_size, num_chunks=group_size, backend=kernels)
-        return out
-
+    if residual is not None and residual.numel() != shard.numel():
+        raise ValueError(f"residual holds {residual.numel()} elements; the shard has {shard.numel()}")
+    g = _gather(shard, group, group_size, block_size, dtype, residual, own, log, group_name, kernels)
+    held = FinishAfter(g.work, keep=g.keep)
     if not async_op:
-        return AllGatherResult(finish(), None)
-    return AllGatherResult(None, work, finish)
+        held.wait()
+        return AllGatherResult(g.dequantize(), None)
+    return AllGatherResult(None, held, g.dequantize)
 
 
 def round_trip(shard: Tensor, block_size: int, dtype: torch.dtype, kernels: str = "auto") -> Tensor:
@@ -303,20 +299,25 @@ def quantized_all_gather_two_hop(
     kernels: str = "auto",
 ) -> AllGatherResult:
     """``collectives.all_gather_two_hop`` (inter first) with the cross-node hop in int8 blocks: hop 1 over
-    ``nodes.inter`` quantized, dequantized into ``dtype`` on arrival; hop 2 inside the node in ``dtype``. Every
-    rank of the shard group ends with the same rank-major ``(s, S)`` buffer ([Note: two-hop all-gather])."""
+    ``nodes.inter`` quantized, dequantized into ``dtype`` between the hops ([Note: chained collectives] in
+    collectives.py); hop 2 inside the node in ``dtype``. Every rank of the shard group ends with the same
+    rank-major ``(s, S)`` buffer ([Note: two-hop all-gather])."""
     dtype = dtype or shard.dtype
     n, p, size = nodes.nodes, nodes.per_node, shard.numel()
-    hop1 = quantized_all_gather(shard, nodes.inter, n, block_size, dtype=dtype, async_op=async_op, log=log,
-                                group_name="inter", kernels=kernels)
+    if p == 1 or nodes.intra is None:  # one hop
+        return quantized_all_gather(shard, nodes.inter, n, block_size, dtype=dtype, async_op=async_op, log=log,
+                                    group_name="inter", kernels=kernels)
+    hop1 = _gather(shard, nodes.inter, n, block_size, dtype, None, None, log, "inter", kernels)
+    hop2 = torch.empty(p * n * size, dtype=dtype, device=shard.device)
+
+    def then() -> dist.Work:
+        first = hop1.dequantize()
+        _record(log, "all_gather", "intra", hop2.numel() * hop2.element_size())
+        return all_gather_single(hop2, first.view(-1), group=nodes.intra, async_op=True)
 
     def finish() -> Tensor:
-        first = hop1.finish() if hop1.finish is not None else hop1.output
-        hop2 = torch.empty(p * first.numel(), dtype=dtype, device=shard.device)
-        all_gather_single(hop2, first.view(-1), group=nodes.intra)
-        _record(log, "all_gather", "intra", hop2.numel() * hop2.element_size())
         return hop2.view(p, n, size).transpose(0, 1).contiguous().view(n * p, size)  # (l, a) -> rank-major
 
-    if not async_op:
-        return AllGatherResult(finish(), None)
-    return AllGatherResult(None, hop1.work, finish)
+    chain = Chain(hop1.work, then, keep=(*hop1.keep, hop2), side=side_stream(nodes.intra, shard.device))
+    res = AllGatherResult(None, chain, finish)
+    return res if async_op else AllGatherResult(gathered(res), None)

@@ -11,10 +11,13 @@ out, swapped in) only when it runs. If a unit arrives out of the recorded order 
 more is prefetched in that pass and the new order is recorded instead.
 
 [Note: live cap]
-``max_live_parameters`` bounds the elements gathered at once, counting issued and finished gathers alike. The
-unit about to compute is always allowed: first, units that are gathered but idle (kept for backward, or
-prefetched and not yet running) are released to make room; a prefetch that would exceed the cap is skipped,
-and that unit is gathered when it runs. So the live elements never exceed the cap plus the running unit.
+``max_live_parameters`` bounds the elements gathered at once, in param_dtype: a gather in flight counts its buffers
+(``Unit.gather_numel``: the padded (s, S) output; with two hops also hop 1's output, and an int8 hop's wire), a
+gathered unit its full storage (``Unit.stored_numel``, with its room for staging: [Note: staging in place] in
+unit.py). The unit about to compute is always allowed: first, units that are gathered but idle (kept for backward,
+or prefetched and not yet running) are released to make room; a prefetch that would exceed the cap is skipped, and
+that unit is gathered when it runs. So the live elements never exceed the cap plus the running unit (its gather's
+buffers and its full storage together, for the copy-out).
 
 [Note: keep for backward]
 Releasing a unit at the end of its forward and gathering it again at the start of its backward is waste for
@@ -73,11 +76,11 @@ class Schedule:
 
     # -- accounting -----------------------------------------------------------------------------------
     def live(self) -> int:
-        return sum(u.full_numel for u in self.units if u.is_live)
+        return sum(u.live_numel for u in self.units)
 
     def make_room(self, unit: Unit) -> None:
         """Before ``unit`` is gathered to run: release idle gathered units while it would exceed the cap."""
-        need = 0 if unit.is_live else unit.full_numel
+        need = 0 if unit.is_live else unit.gather_numel
         if self.live() + need <= self.max_live:
             return
         for other in self._eviction_order(unit):
@@ -93,7 +96,7 @@ class Schedule:
     def _try_prefetch(self, unit: Unit) -> None:
         if unit.is_live or not unit.full_numel:
             return
-        if self.live() + unit.full_numel > self.max_live:
+        if self.live() + unit.gather_numel > self.max_live:
             return
         unit.issue_gather(prefetched=True)
 
@@ -212,8 +215,12 @@ class Schedule:
 
     def take_writes(self) -> None:
         """Every gathered unit's plain parameters into the masters where user code wrote them, before the masters
-        are read: the optimizers' pre-step hook, a sharded save ([Note: writes between steps] in lent.py)."""
+        are read: the optimizers' pre-step hook, a sharded save ([Note: writes between steps] in lent.py). A gather
+        still in flight reads the masters the step writes next: it is released first, its result stale anyway
+        ([Note: streams and buffer lifetime] in collectives.py)."""
         for unit in self.units:
+            if unit.state is ShardedState.GATHERING and not unit.in_use:
+                unit.release()
             unit.take_writes()
 
     def after_optimizer_step(self) -> None:

@@ -6,7 +6,10 @@ grid: shard groups are *contiguous* ranks ``[g*s, (g+1)*s)`` (so on a real clust
 as possible and their frequent all-gathers use the fast intra-node links), and replica groups are
 *strided*: ``{j, j+s, j+2s, ...}`` hold the same shard ``j`` of the model state. When a shard group spans
 nodes (``ranks_per_node`` = p < s), it splits further into an ``inter`` axis (same local rank, different
-nodes; s/p ranks) and an ``intra`` axis (one node; p ranks), used by the two-hop all-gather.
+nodes; s/p ranks) and an ``intra`` axis (one node; p ranks), used by the two-hop all-gather. Only those two
+groups are created for it (the mesh's shard axis unflattened: the replicate axis keeps its group), and with one
+rank per node none: the inter axis is the shard group and there is no second hop. Each group created is used
+(with NCCL each is a communicator, built eagerly when the default group is bound to a device).
 
 With a tensor-parallel degree t (the seed's "sharded data parallelism with tensor parallelism", Example 2),
 rank = (g*s + j)*t + k: tensor-parallel groups are t *contiguous* ranks (k varies; the most frequent traffic,
@@ -131,7 +134,7 @@ class Topology:
 
     layout: Layout
     mesh: DeviceMesh  # ("replicate", "shard"), or ("replicate", "shard", "tp") with a tensor-parallel degree
-    node_mesh: Optional[DeviceMesh]  # ("replicate", "inter", "intra") when a shard group spans whole nodes
+    node_mesh: Optional[DeviceMesh]  # ("replicate", "inter", "intra") when a shard group spans whole nodes of p > 1
     rank: int
     world: Any = None  # the default group these were split from ([Note: one topology per layout])
     dp_mesh: Optional[DeviceMesh] = None  # ("dp",): this tensor-parallel rank's data-parallel ranks (t > 1)
@@ -149,10 +152,12 @@ class Topology:
 
     def node_groups(self) -> NodeGroups:
         """The two-hop all-gather's groups ([Note: two-hop all-gather] in collectives.py)."""
-        if self.node_mesh is None:
+        if not self.layout.hierarchical_possible:
             raise RuntimeError(f"no two-hop groups: a shard group of {self.layout.shard_size} ranks does not span "
                                f"whole nodes of {self.layout.ranks_per_node}")
         p = self.layout.ranks_per_node
+        if self.node_mesh is None:  # one rank per node: one hop, over the shard group
+            return NodeGroups(self.shard_group, None, self.layout.shard_size, 1)
         return NodeGroups(self.node_mesh.get_group("inter"), self.node_mesh.get_group("intra"),
                           self.layout.shard_size // p, p)
 
@@ -224,13 +229,9 @@ def build_topology(layout: Layout, device_type: str) -> Topology:
             device_type, (layout.replicas, layout.shard_size), mesh_dim_names=("replicate", "shard")
         )
     node_mesh = None
-    if layout.hierarchical_possible:
+    if layout.hierarchical_possible and layout.ranks_per_node > 1:  # [Note: MiCS layout]: only inter and intra
         p = layout.ranks_per_node
-        node_mesh = DeviceMesh(
-            device_type,
-            torch.arange(layout.world_size).view(layout.replicas, layout.shard_size // p, p),
-            mesh_dim_names=("replicate", "inter", "intra"),
-        )
+        node_mesh = mesh._unflatten("shard", (layout.shard_size // p, p), ("inter", "intra"))
     topo = Topology(layout, mesh, node_mesh, rank, world, dp_mesh)
     _TOPOLOGIES[key] = topo
     return topo

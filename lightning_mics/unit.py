@@ -11,11 +11,11 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from lightning_mics import collectives as C
 from lightning_mics import quantized as Q
+from lightning_mics.full_storage import FullStorage
 from lightning_mics.lent import Lent
 from lightning_mics.optimizer_rows import OptimizerRows
 from lightning_mics.placement import ReplicatedParam, Rows, ShardedParam, local
@@ -83,6 +83,7 @@ class Unit:
         self.quantize = quantize or Q.QuantizeSpec()  # quantize_allgather: the two-hop gather's first hop in int8
         self.module = plan.module
         self.topo, self.kernels, self.log = topo, kernels, log
+        log.bind(device)  # its waits stall this device ([Note: time waiting on communication] in telemetry.py)
         self.s = topo.layout.shard_size
         self.nodes = nodes  # two-hop all-gather groups, or None: flat
         dtypes = {pp.param.dtype for pp in plan.params}
@@ -116,13 +117,10 @@ class Unit:
         # Full parameters: Parameters aliasing one buffer in param_dtype whose storage is freed while sharded.
         numels = [math.prod(sp.shape) for sp in self.params]
         self.full_numel = sum(numels)
-        self.full_flat = torch.empty(self.full_numel, dtype=self.param_dtype, device=device)
-        self._full_nbytes = self.full_flat.untyped_storage().nbytes()
-        # [Note: staging in place]: room for the reduce-scatter input of the whole unit
-        staging_nbytes = self.s * self.shard_flat.numel() * reduce_dtype.itemsize
-        self.stage_in_full = self.s > 1 and reduce_dtype.itemsize <= self.param_dtype.itemsize
-        self._gathered_nbytes = max(self._full_nbytes, staging_nbytes) if self.stage_in_full else self._full_nbytes
-        self._reading_full: List[dist.Work] = []  # reduce-scatters whose input lies in the full storage
+        # [Note: staging in place] in full_storage.py: room for the reduce-scatter input of the whole unit
+        self.storage = FullStorage(self.full_numel, self.param_dtype, device,
+                                   self.s * self.shard_flat.numel() if self.s > 1 else 0, reduce_dtype)
+        self.full_flat = self.storage.flat
         self.full_views: List[Tensor] = []
         start = 0
         for sp, n in zip(self.params, numels):
@@ -130,7 +128,8 @@ class Unit:
             self.full_views.append(view)
             sp.full = sp.make_full(view)
             start += n
-        self.full_flat.untyped_storage().resize_(0)
+        self.storage.release()
+        self._live = 0  # elements this unit holds gathered ([Note: live cap] in schedule.py)
         self.lent = Lent(self.params, self.full_views, self.shard_flat, self._delivered, keeps_base=lends or pinned)
 
         self.replicated: List[ReplicatedParam] = [
@@ -155,6 +154,27 @@ class Unit:
     @property
     def is_live(self) -> bool:
         return self.state is not ShardedState.SHARDED
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements of the buffers of this unit's gather in flight ([Note: live cap] in schedule.py)."""
+        if not self.params:
+            return 0
+        row_bytes = Q.wire_bytes(self.shard_flat.numel(), 1, self.quantize.block_size) if self._int8_gather else 0
+        return C.gather_numel(self.shard_flat.numel(), self.s, self.nodes, row_bytes, self.param_dtype.itemsize)
+
+    @property
+    def stored_numel(self) -> int:
+        """Elements of the full storage of this unit gathered (with room for staging: [Note: staging in place])."""
+        return -(-self.storage.nbytes(self.pinned) // self.param_dtype.itemsize) if self.params else 0
+
+    @property
+    def live_numel(self) -> int:
+        return self._live
+
+    def _set_live(self, numel: int) -> None:
+        self.log.live(numel - self._live)
+        self._live = numel
 
     @property
     def in_use(self) -> bool:
@@ -263,11 +283,11 @@ class Unit:
             return
         self.settle_rows()
         self.lent.filled()
+        self._set_live(self.gather_numel)  # before its buffers exist ([Note: live cap] in schedule.py)
         if self.params:
             self._gather = self._all_gather(async_op=True)
         self.state = ShardedState.GATHERING
         self.is_prefetched = prefetched
-        self.log.live(self.full_numel)
 
     def finish_gather(self) -> None:
         """-> GATHERED: waits for the all-gather, copies out into the full parameters, swaps them in."""
@@ -278,10 +298,12 @@ class Unit:
         if self.params:
             res, self._gather = self._gather, None
             out = C.gathered(res, self.log)
-            self._settle_full()
+            self._set_live(self._live + self.stored_numel)  # both, for the copy-out
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
-                self.full_flat.untyped_storage().resize_(self._full_nbytes if self.pinned else self._gathered_nbytes)
+                self.storage.fill(self.pinned, self.log)
                 C.copy_out(out, self.full_views, self.s, self.kernels)
+            del res, out  # the gather's buffers go
+        self._set_live(self.stored_numel)
         self._swap_full()
         self.state = ShardedState.GATHERED
         self.is_prefetched = False
@@ -309,16 +331,15 @@ class Unit:
             return
         if (self.pinned or self.exposed) and not stale:
             self.take_writes()  # plain parameters that user code could write, into the masters
-        if self._gather is not None:  # a prefetch never used: its first hop is waited, no second hop (alike
-            C.wait(self._gather.work, self.log)  # on every rank: these decisions follow the same events)
+        if self._gather is not None:  # a prefetch never used: waited for, both hops issued ([Note: chained
+            C.wait(self._gather.work, self.log)  # collectives]); alike on every rank: the same events decide it
             self._gather = None
         self._swap_sharded()
-        if self.params and not self._reading_full:  # else the last reduce-scatter reading it frees it
-            self.full_flat.untyped_storage().resize_(0)
+        self.storage.release()  # or the last reduce-scatter reading it frees it ([Note: staging in place])
         self.state = ShardedState.SHARDED
         self.is_prefetched = self.exposed = False
         self.lent.returned()
-        self.log.live(-self.full_numel)
+        self._set_live(0)
 
     def refresh(self) -> None:
         """After an optimizer step, a unit still in use gets the new values ([Note: version counters]); also a unit
@@ -327,10 +348,12 @@ class Unit:
             return
         self.settle_rows()
         self.lent.filled()
+        self._set_live(self.stored_numel + self.gather_numel)
         out = C.gathered(self._all_gather(async_op=False), self.log)
-        self._settle_full()
+        self.storage.settle(self.log)
         with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
             C.copy_out(out, self.full_views, self.s, self.kernels)
+        self._set_live(self.stored_numel)
 
     def take_exposed(self) -> None:
         """A pass uses a unit kept gathered since the last one: what user code wrote in between, into the masters."""
@@ -386,55 +409,19 @@ class Unit:
     def drop(self, rows_deadline: float = 0.0) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone) but for the optimizer rows in
         flight, until ``rows_deadline`` ([Note: rows when a run ends] in optimizer_rows.py)."""
+        if self._gather is not None:
+            C.abandon(self._gather.work)  # [Note: chained collectives] in collectives.py
         self._gather = None
         if self.optimizer_rows is not None:
             self.optimizer_rows.drop(rows_deadline)
         for sp in self.params:
             sp.full.grad = None
         self._swap_sharded()
-        if self.params and not self._reading_full:  # a collective may still read it: left allocated
-            self.full_flat.untyped_storage().resize_(0)
-        self._reading_full.clear()
-        if self.state is not ShardedState.SHARDED:
-            self.log.live(-self.full_numel)
+        self.storage.drop()
+        self._set_live(0)
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.is_prefetched = self.exposed = False
         self.lent.returned()
         self.depth = 0
         self.clear_counters()
-
-    # -- the full storage as a reduce-scatter's input --------------------------------------------------------
-    # [Note: staging in place]
-    # A unit released right after its gradients are reduce-scattered no longer needs its full parameters once the
-    # reduction starts: its backward is done. The rank-major reduce-scatter input is laid out in the unit's own
-    # full-parameter storage (allocated with room for it: the padded s x S elements in reduce_dtype, when
-    # reduce_dtype is no wider than param_dtype), instead of in a new buffer of the unit's size. The release then
-    # leaves the storage allocated until the last reduce-scatter reading it is waited for (``finish_reduce`` frees
-    # it: ``Unit.done_reading``), and a gather or refresh that writes the storage first waits for those reductions.
-    # Units kept gathered (the root inside an accumulation window, a pinned unit, a unit still running its forward)
-    # stage in a buffer of their own as before. On CPU, where a buffer above glibc's mmap threshold is a fresh
-    # mapping every time, this saves the page faults of one unit-sized buffer per reduction; everywhere it lowers
-    # the backward peak by one.
-    def staging(self, at: int, rows: int, cols: int) -> Tensor:
-        """A (rows, cols) reduce_dtype view of the full storage, ``at`` elements (of reduce_dtype) in."""
-        return torch.empty(0, dtype=self.reduce_dtype, device=self.device).set_(
-            self.full_flat.untyped_storage(), at, (rows, cols))
-
-    def reading_full(self, work: Optional[dist.Work]) -> None:
-        """A reduce-scatter reads its input from the full storage until ``work`` is waited for."""
-        if work is not None:
-            self._reading_full.append(work)
-
-    def done_reading(self, work: Optional[dist.Work]) -> None:
-        """``work`` was waited for; the last reader frees the storage a release left allocated."""
-        if work is not None and work in self._reading_full:
-            self._reading_full.remove(work)
-            if not self._reading_full and self.state is ShardedState.SHARDED:
-                self.full_flat.untyped_storage().resize_(0)  # the release left it to the last reader
-
-    def _settle_full(self) -> None:
-        """Before the full storage is written again: the reduce-scatters still reading it are waited for."""
-        for work in self._reading_full:
-            C.wait(work, self.log)
-        self._reading_full.clear()

@@ -346,7 +346,7 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     largest = max(units, key=lambda u: u.shard_numel)
     group = _layout_units(spec.units, st, s)[1]  # the shard group's size (all W ranks with shard_optimizer_state)
     # the reduce-scatter input lies in the unit's own storage when it fits and the unit is released after it
-    # ([Note: staging in place] in unit.py); the root inside an accumulation window, or pinned, stages apart
+    # ([Note: staging in place] in full_storage.py); the root inside an accumulation window, or pinned, stages apart
     in_place = reduce <= gathered and not (largest is units[0] and (st.accumulation > 1 or _zero1(st, s)))
     buffers = group * largest.shard_numel * (gathered + (0 if in_place else reduce)) if group > 1 else 0
     links = {k: 0 for k in LINKS}
