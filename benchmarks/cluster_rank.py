@@ -15,11 +15,11 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
                hosts, the parameter all-gather in two hops
   mics_host_os mics_host with ``shard_optimizer_state=True``: the optimizer's rows over the two hosts, the replica
                all-reduce split into a reduce-scatter before the step and an all-gather that the next forward
-               waits for unit by unit ([Note: optimizer rows over replicas] in lightning_mics/optimizer_rows.py)
+               waits for unit by unit ([Note: optimizer rows over replicas] in lightning_mics/engine/optimizer_rows.py)
   mics_host_q8    mics_host with ``quantize_gradients=True``: the replica all-reduce (across hosts) in int8 blocks
   mics_twohop_q8  mics_twohop with ``quantize_allgather=True``: the gather's cross-host hop in int8 blocks
   mics_host_os_q8 mics_host_os with ``quantize_gradients="error_feedback"``: the reduce-scatter and the rows'
-                  change in int8 blocks ([Note: quantized optimizer rows] in lightning_mics/optimizer_rows.py)
+                  change in int8 blocks ([Note: quantized optimizer rows] in lightning_mics/engine/optimizer_rows.py)
 The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
 
 [Note: time waiting on communication]

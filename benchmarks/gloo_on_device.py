@@ -65,7 +65,7 @@ def worker(variant: str, device_type: str) -> None:
     dist.destroy_process_group()
     # The variant's subject ends here. The interpreter's finalization is not it: a gloo worker still holding a Work
     # when it begins aborts the exit (-6, "terminate called without an active exception"; [Note: groups at exit]
-    # in lightning_mics/topology.py), which a DeviceMesh's groups met about once in 20 runs of `mesh_full_tensor`.
+    # in lightning_mics/layout/topology.py), which a DeviceMesh's groups met about once in 20 runs of `mesh_full_tensor`.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

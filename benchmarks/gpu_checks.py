@@ -148,7 +148,7 @@ def run_plain(args, precision: str, compiled: bool = False) -> dict:
 def run_fabric(args, options: dict, precision: str, compiled: bool, processes: int) -> dict:
     import lightning as L
     import torch
-    import triton_kernels._table as table
+    import lightning_mics_kernels._table as table
     from torch._dynamo.utils import counters
 
     from lightning_mics.fabric import MiCSStrategy

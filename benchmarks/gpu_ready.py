@@ -27,7 +27,7 @@ nothing, ``offload_dropout``, ``sync_debug`` and ``table_builds``; the timed one
   call counted, with its site) and 2 under ``"error"``. Target: zero syncs. Where tests/helpers/host_reads.py exists
   its ``HostReads`` also attributes the host's reads of tensor data (engine / outside). On CPU: ``ok`` null; the same
   loops run (tiny GPT) and the host reads are the figure.
-- ``table_builds``: ``triton_kernels.table_stats()`` (descriptor tables built, [Note: descriptor tables]) after
+- ``table_builds``: ``lightning_mics_kernels.table_stats()`` (descriptor tables built, [Note: descriptor tables]) after
   warm-up: (a) the four bucket copies and int8 quantize / dequantize called directly on a small bucket set with new
   inputs each call (as the engine's gradients are) and outputs as views of one buffer; (b) the engine: 4 ranks,
   ``kernels="triton"``, s = 2 (r = 2) in fp32 and under bf16-mixed with int8 error feedback, accumulation 2,
@@ -500,10 +500,10 @@ def kernel_table_builds(args) -> dict:
     then 3; the builds counted over those."""
     import torch
 
-    import triton_kernels as tk
+    import lightning_mics_kernels as tk
 
-    if not hasattr(tk, "table_stats"):  # hook: triton_kernels.table_stats() (the descriptor-table counters)
-        raise RuntimeError("hook missing: triton_kernels.table_stats()")
+    if not hasattr(tk, "table_stats"):  # hook: lightning_mics_kernels.table_stats() (the descriptor-table counters)
+        raise RuntimeError("hook missing: lightning_mics_kernels.table_stats()")
     dev = args.accelerator
     sizes = [640, 64, 1536, 128, 4096 + 64, 64 * 7]
     chunks, block = 2, 512
@@ -551,7 +551,7 @@ def table_world(args) -> int:
 
 def worker_table_builds(args) -> None:
     """One rank of table_builds' engine part: kernels="triton"; on CUDA its collectives over gloo on host copies."""
-    import triton_kernels as tk
+    import lightning_mics_kernels as tk
 
     warm, steady = 2, 2 if args.small else 3
     out: Dict[str, Any] = {"rank": rank()}
@@ -842,7 +842,7 @@ def _planted_read(args, case: dict, prompt: dict, backend: Optional[str]) -> dic
     """The device can fail a run: the first Trainer case again, on host copies, with a unit's all-gather output read
     before its ``wait()`` (tests/scripts/late_early_read.py's defect); its full state must differ from the case's
     own (``caught``). Rank 0 judges."""
-    import lightning_mics.collectives as C
+    import lightning_mics.comm.collectives as C
 
     real = C.gathered
 
@@ -930,7 +930,7 @@ def worker_sanitizer(args) -> None:
     write_json(path, dict(out, done=True))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # gloo's threads at exit: [Note: groups at exit] in lightning_mics/topology.py
+    os._exit(0)  # gloo's threads at exit: [Note: groups at exit] in lightning_mics/layout/topology.py
 
 
 def check_sanitizer(args) -> dict:
@@ -1032,7 +1032,7 @@ def check_main(args) -> None:
     out["wall_s"] = round(time.time() - start, 1)  # its own process's time (the driver may collect it later)
     write_json(Path(args.scratch) / "result.json", out)
     sys.stdout.flush()
-    os._exit(0)  # a Fabric's gloo group at exit ([Note: groups at exit] in lightning_mics/topology.py)
+    os._exit(0)  # a Fabric's gloo group at exit ([Note: groups at exit] in lightning_mics/layout/topology.py)
 
 
 def worker_main(args) -> None:

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton_kernels as tk  # noqa: E402
+import lightning_mics_kernels as tk  # noqa: E402
 
 OPS = ("flatten", "scatter", "chunk_cat", "chunk_split")
 QUANT_OPS = ("quantize", "quantize+ef", "dequantize", "dequantize_sum")

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
-from lightning_mics.placement import local  # noqa: E402
+from lightning_mics.layout.placement import local  # noqa: E402
 from lightning_mics.plan import Settings, comm_per_step, model_state_bytes  # noqa: E402
 from lightning_mics.plan.models import from_module  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
@@ -88,9 +88,9 @@ def build(case: str, cfg: GPTConfig):
 
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
         return fsdp2_shard(model, mesh), None
-    from lightning_mics.config import MiCSConfig
-    from lightning_mics.engine import MiCSEngine
-    from lightning_mics.topology import build_topology, plan_layout
+    from lightning_mics.options import MiCSConfig
+    from lightning_mics.engine.engine import MiCSEngine
+    from lightning_mics.layout.topology import build_topology, plan_layout
 
     s = int(case.split("=")[1])
     topo = build_topology(plan_layout(world, s), "cpu")

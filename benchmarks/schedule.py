@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_mics import collectives as C  # noqa: E402
+from lightning_mics.comm import collectives as C  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 
 S2 = dict(s=2, ranks_per_node=None)
@@ -70,9 +70,9 @@ def build(name, cfg, mp_cfg):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, None
-    from lightning_mics.config import MiCSConfig
-    from lightning_mics.engine import MiCSEngine
-    from lightning_mics.topology import build_topology, plan_layout
+    from lightning_mics.options import MiCSConfig
+    from lightning_mics.engine.engine import MiCSEngine
+    from lightning_mics.layout.topology import build_topology, plan_layout
 
     topo = build_topology(plan_layout(world, cfg["s"], cfg["ranks_per_node"]), "cpu")
     options = MiCSConfig(param_persistence_threshold=0, kernels="torch", prefetch=cfg["prefetch"]).freeze()

@@ -1,4 +1,4 @@
-"""The time of one ``take_writes`` ([Note: writes between steps] in lightning_mics/lent.py): the optimizer's
+"""The time of one ``take_writes`` ([Note: writes between steps] in lightning_mics/engine/lent.py): the optimizer's
 pre-step hook comparing the module's plain parameters with the masters it was handed, under ZeRO-1
 (``sharded_data_parallel_degree=1, shard_optimizer_state=True``) and a mixed precision, where the plain parameters
 are ``param_dtype`` copies of every parameter. A stack of ``--layers`` Linear(width, width) in Fabric, one step, then
@@ -29,7 +29,7 @@ def main() -> None:
     import lightning as L
 
     from lightning_mics.fabric import MiCSStrategy
-    from lightning_mics.frontend import engine_of
+    from lightning_mics.frontends.shared import engine_of
 
     fabric = L.Fabric(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", 1)), precision=args.precision,
                       strategy=MiCSStrategy(sharded_data_parallel_degree=1, shard_optimizer_state=True,

@@ -7,14 +7,14 @@
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_mics.checkpoint import consolidate
-from lightning_mics.clip import grad_norm
-from lightning_mics.checkpoint_files import CheckpointError
+from lightning_mics.checkpoint.state import consolidate
+from lightning_mics.frontends.clip import grad_norm
+from lightning_mics.checkpoint.files import CheckpointError
 from lightning_mics import fabric
-from lightning_mics.config import MiCSConfig
+from lightning_mics.options import MiCSConfig
 from lightning_mics.plan import plan  # the function; the module stays importable as lightning_mics.plan (python -m)
-from lightning_mics.sharding import register_parameter
-from lightning_mics.strategy import MiCSStrategy
+from lightning_mics.layout.sharding import register_parameter
+from lightning_mics.frontends.trainer import MiCSStrategy
 
 if "mics" not in StrategyRegistry:
     MiCSStrategy.register_strategies(StrategyRegistry)

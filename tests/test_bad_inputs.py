@@ -1,7 +1,7 @@
 """The bad-input table (issue 19): every bad strategy option or combination, each as its own real process,
 exits non-zero within 60 s with a message naming the option, the value and what is allowed.
 
-Most are refused in ``MiCSStrategy.__init__`` (lightning_mics/config.py: ``MiCSConfig.__post_init__``) or when the
+Most are refused in ``MiCSStrategy.__init__`` (lightning_mics/options.py: ``MiCSConfig.__post_init__``) or when the
 Trainer is made (``validate_world``, the precision check), before any process is launched: those run
 ``tests/scripts/bad_input.py`` with ``devices=2`` as one process and never start the second rank (the process is
 forked from the test launcher's server that has imported Lightning, ``tests/helpers/launch.py``: what is checked

@@ -1,4 +1,4 @@
-"""Chained collectives ([Note: chained collectives] in lightning_mics/collectives.py): the two-hop gather's hops
+"""Chained collectives ([Note: chained collectives] in lightning_mics/comm/collectives.py): the two-hop gather's hops
 and the int8 all-reduce's all-to-all and all-gather, with local work between them.
 
 On NCCL the second collective is issued at once, from a side stream, so the compute stream never waits for the

@@ -1,5 +1,5 @@
 """DTensors a checkpoint holds beside the model ([Note: DTensors beside the model] in
-``lightning_mics/checkpoint_beside.py``): a hand-written EMA of the parameters, kept as clones of them and saved
+``lightning_mics/checkpoint/beside.py``): a hand-written EMA of the parameters, kept as clones of them and saved
 from ``on_save_checkpoint`` (Trainer) or as an entry of ``fabric.save``'s dict (``tests/scripts/beside.py``).
 
 Rank 0 alone writes those entries. Before, every rank read rank 0's shards back: the resumed fit failed at its

@@ -4,7 +4,7 @@ reduction, on the mesh's device, and every rank ends with the norm of the unshar
 import pytest
 import torch
 
-from lightning_mics.clip import norm_device
+from lightning_mics.frontends.clip import norm_device
 from tests.helpers.launch import REPO, run_ranks
 
 

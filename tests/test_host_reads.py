@@ -36,16 +36,16 @@ VARIANTS += [dict(v, name="trainer_" + v["name"], trainer=True) for v in VARIANT
 def budget(v):
     """The engine's reads allowed per steady-state optimizer step, by ``file:function``."""
     out = {  # host memory by design ([Note: flags without a wait] in replicated.py): no wait on a GPU
-        "lightning_mics/gradients.py:publish": TRAINABLE,  # each trainable parameter's summed flag
-        "lightning_mics/replicated.py:<genexpr>": 1,  # this rank's own flags, one per replicated bucket
+        "lightning_mics/engine/gradients.py:publish": TRAINABLE,  # each trainable parameter's summed flag
+        "lightning_mics/engine/replicated.py:<genexpr>": 1,  # this rank's own flags, one per replicated bucket
     }
     # device data: each a wait on a GPU
     if v["options"].get("stop_on_nonfinite"):
-        out["lightning_mics/reliability.py:check_finite"] = 1
+        out["lightning_mics/frontends/reliability.py:check_finite"] = 1
     if v["options"] is ROWS:
-        out["lightning_mics/optimizer_rows.py:exchange"] = v.get("accum", 1) - 1  # forwards no step precedes
+        out["lightning_mics/engine/optimizer_rows.py:exchange"] = v.get("accum", 1) - 1  # forwards no step precedes
     if v.get("clip") == "norm" and not v.get("trainer"):
-        out["lightning_mics/fabric.py:clip_gradients_norm"] = 1  # error_if_nonfinite=True, as torch's clip
+        out["lightning_mics/frontends/fabric.py:clip_gradients_norm"] = 1  # error_if_nonfinite=True, as torch's clip
     return out
 
 

@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-import triton_kernels as tk
+import lightning_mics_kernels as tk
 from tests.helpers.launch import REPO, run_ranks
-from triton_kernels import _backend, _table
+from lightning_mics_kernels import _backend, _table
 
 SCRIPT = REPO / "tests" / "scripts" / "kernel_tables.py"
 
@@ -128,7 +128,7 @@ def test_auto_takes_torch_below_the_size_rule(monkeypatch):
     assert not _backend.use_triton("auto", cuda, n - 1) and _backend.use_triton("auto", cuda, n)
     assert _backend.use_triton("auto", cuda, None) and _backend.use_triton("triton", cuda, 1)
     assert not _backend.use_triton("auto", torch.device("cpu"), n) and not _backend.use_triton("torch", cuda, n)
-    import triton_kernels.api as api
+    import lightning_mics_kernels.api as api
 
     asked = []
     monkeypatch.setattr(api, "use_triton", lambda backend, device, numel=None: asked.append(numel) or False)

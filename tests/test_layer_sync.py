@@ -1,5 +1,5 @@
 """BatchNorm and Lightning's layer sync under MiCS, against DDP on the same data and seed ([Note: layer sync] in
-``lightning_mics/layer_sync.py``).
+``lightning_mics/frontends/layer_sync.py``).
 
 Torch's SyncBatchNorm computes on GPUs only (DDP refuses it on CPU), so the syncing runs through a LayerSync plugin
 of ``tests/scripts/layer_sync.py`` that sums the batch statistics over every rank with a differentiable all_reduce:

@@ -169,7 +169,7 @@ TP_SCRIPT = REPO / "tests" / "scripts" / "tp_equiv.py"
 
 def test_seed_example_2_group_assignment():
     """The seed's Example 2 (32 ranks, t = 4, s = 4), computed without starting 32 processes."""
-    from lightning_mics.topology import plan_layout
+    from lightning_mics.layout.topology import plan_layout
 
     lay = plan_layout(32, 4, 8, tp_size=4)
     assert lay.tp_groups() == [list(range(i, i + 4)) for i in range(0, 32, 4)]
@@ -237,7 +237,7 @@ def test_tensor_parallel_matches_single_process(tmp_path, args):
 
 def test_tensor_parallel_options_are_checked():
     from lightning_mics import MiCSStrategy
-    from lightning_mics.config import MiCSConfig
+    from lightning_mics.options import MiCSConfig
 
     with pytest.raises(ValueError, match="prescaled_batch=True .*tensor_parallel_degree > 1"):
         MiCSStrategy(prescaled_batch=True)
@@ -253,7 +253,7 @@ def test_tensor_parallel_options_are_checked():
 
 def test_layout_options_are_checked():
     from lightning_mics import MiCSStrategy
-    from lightning_mics.config import MiCSConfig
+    from lightning_mics.options import MiCSConfig
 
     MiCSStrategy(shard_optimizer_state=True, sharded_data_parallel_degree=2)  # [Note: optimizer rows over replicas]
     MiCSStrategy(shard_optimizer_state=True, sharded_data_parallel_degree=2, prefetch=2, max_live_parameters=100)

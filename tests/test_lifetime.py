@@ -2,7 +2,7 @@
 its user is freed with its engine and its optimizer, variant after variant in one process (a notebook, a sweep's
 jobs): under Fabric, which keeps the module sharded, and under the Trainer, where fit makes a small model plain
 again and leaves a model larger than ``max_live_parameters`` sharded ([Note: engines beside their modules] in
-frontend.py). Before, every sharded module stayed alive to the end of the process: the engines' registry held
+frontends/shared.py). Before, every sharded module stayed alive to the end of the process: the engines' registry held
 each engine, which holds its module, and the parameters' gradient hooks, kept from C++, held their units."""
 
 import json

@@ -88,7 +88,7 @@ def test_module_called_outside_steps_equals_ddp(runs, kind, world):
 
 @pytest.mark.parametrize("kind, world", MICS)
 def test_module_called_outside_steps_under_bf16_mixed_runs_as_its_training_forward(runs, kind, world):
-    """The same under bf16-mixed ([Note: calls outside the precision's context] in lightning_mics/hooks.py): the
+    """The same under bf16-mixed ([Note: calls outside the precision's context] in lightning_mics/engine/hooks.py): the
     callbacks run outside Lightning's autocast, and the root-owned head called on an fp32 tensor met its bf16
     copies without it (``mat1 and mat2 must have the same dtype``). Now such a call runs under autocast, as the
     training forward: its output is bf16, within bf16's rounding of DDP's, which computes outside autocast in fp32

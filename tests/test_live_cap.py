@@ -1,4 +1,4 @@
-"""What ``max_live_parameters`` counts ([Note: live cap] in lightning_mics/schedule.py): a gather in flight its
+"""What ``max_live_parameters`` counts ([Note: live cap] in lightning_mics/engine/schedule.py): a gather in flight its
 buffers (the padded (s, S) output), a gathered unit its full storage (with its room for staging), the running
 unit both during its copy-out. Measured from storages at every dispatched op (tests/helpers/live.py) on a 4-block
 GPT whose vocabulary (61 rows) pads the root's shards: the engine's count is never below what is alive, so the cap

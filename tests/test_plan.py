@@ -23,7 +23,7 @@ from lightning_mics.app.models import GPT, GPTConfig
 from lightning_mics.plan import Settings, comm_per_step, estimate, model_state_bytes
 from lightning_mics.plan.models import (APP_GPT_DEFAULTS, REFERENCE_MODELS, ModelSpec, ParamShape, UnitShapes,
                                         from_gpt_config, from_module, resolve)
-from lightning_mics.topology import plan_layout
+from lightning_mics.layout.topology import plan_layout
 from tests.helpers.launch import REPO, run_ranks
 
 SCRIPT = REPO / "tests" / "scripts" / "plan_fit.py"

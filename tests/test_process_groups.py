@@ -1,5 +1,5 @@
 """The process groups a layout creates are the ones its collectives use ([Note: MiCS layout] in
-lightning_mics/topology.py): counted from c10d's own group map on 4 real gloo ranks, for shard groups that span
+lightning_mics/layout/topology.py): counted from c10d's own group map on 4 real gloo ranks, for shard groups that span
 "nodes" of 2 ranks (two hops: inter, then intra) and of 1 rank (one hop, over the shard group). With NCCL each group
 is a communicator, built eagerly when the default group is bound to a device; a second copy of every replica group
 (the two-hop gather's mesh used to make one) costs one each."""

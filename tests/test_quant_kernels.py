@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import triton_kernels as tk
+import lightning_mics_kernels as tk
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,7 +27,7 @@ SLACK = 3 * U
 @pytest.fixture(scope="module")
 def device():
     pytest.importorskip("triton")
-    from triton_kernels._backend import kernels_interpreted
+    from lightning_mics_kernels._backend import kernels_interpreted
 
     if kernels_interpreted():
         return "cpu"
@@ -300,7 +300,7 @@ def test_dequantize_sum_is_the_fp32_sum_of_the_chunks(device, backend, r):
 
 @pytest.mark.triton
 def test_one_launch_per_bucket(device, monkeypatch):
-    from triton_kernels import quant_pack, quant_unpack
+    from lightning_mics_kernels import quant_pack, quant_unpack
 
     calls = []
     for mod, name in ((quant_pack, "quantize_kernel"), (quant_unpack, "dequantize_kernel"),
@@ -375,8 +375,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton.language as tl
-from triton_kernels.quant_pack import quantize_kernel
-from triton_kernels.quant_unpack import dequantize_kernel, dequantize_sum_kernel
+from lightning_mics_kernels.quant_pack import quantize_kernel
+from lightning_mics_kernels.quant_unpack import dequantize_kernel, dequantize_sum_kernel
 i64, i32 = "i64", "i32"
 T = dict(table="*i64", rel="*i64", first_ptr=i64)  # the tensor table and the addresses ([Note: descriptor tables])
 cases = [

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import lightning_mics
 from lightning_mics import MiCSConfig
-from lightning_mics import checkpoint_files as files
+from lightning_mics.checkpoint import files as files
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -10,7 +10,7 @@ import pytest
 import lightning_mics
 from lightning_mics import MiCSConfig, MiCSStrategy
 from lightning_mics import fabric as mics_fabric
-from lightning_mics.topology import plan_layout
+from lightning_mics.layout.topology import plan_layout
 from tests.helpers.launch import REPO, run_ranks
 
 
@@ -70,7 +70,7 @@ def test_registered_and_config_roundtrip():
 
 
 def test_bad_shard_units_class_name():
-    from lightning_mics.sharding import resolve_classes
+    from lightning_mics.layout.sharding import resolve_classes
 
     with pytest.raises(ValueError, match="shard_units"):
         resolve_classes(["no.such.Block"], "shard_units")

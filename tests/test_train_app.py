@@ -201,7 +201,7 @@ def test_configs_compose(strategy: str, trainer: str) -> None:
         "TrainerConf", "LitGPTConf", "ByteCorpusConf"]
     schema.check_config(cfg)
     if strategy == "mics":
-        from lightning_mics.config import MiCSConfig
+        from lightning_mics.options import MiCSConfig
 
         assert set(MiCSConfig.names()) <= set(cfg.strategy.keys())
         assert cfg.strategy.sharded_data_parallel_degree == 2

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import triton_kernels as tk
+import lightning_mics_kernels as tk
 
 REPO = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -28,7 +28,7 @@ INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16
 def device():
     """CPU under TRITON_INTERPRET=1 (conftest sets it); CUDA when the kernels are compiled for a GPU."""
     pytest.importorskip("triton")
-    from triton_kernels._backend import kernels_interpreted
+    from lightning_mics_kernels._backend import kernels_interpreted
 
     if kernels_interpreted():
         return "cpu"
@@ -83,15 +83,15 @@ def odd_tensors(device, dtype=torch.float32):
 
 
 def test_import_is_ours():
-    # Triton's repository ships another `triton_kernels`; this must be the one in this repo.
+    # Installed as lightning_mics_kernels (the folder is triton_kernels/): this must be the repository's.
     assert Path(tk.__file__).resolve().is_relative_to(REPO)
 
 
 def test_import_and_fallback_without_triton():
     code = """
 import sys
-import torch, triton_kernels as tk
-assert "triton" not in sys.modules, "importing triton_kernels must not import triton"
+import torch, lightning_mics_kernels as tk
+assert "triton" not in sys.modules, "importing lightning_mics_kernels must not import triton"
 sys.modules["triton"] = None  # from here on, as if triton were not installed
 assert not tk.triton_available()
 ts = [torch.randn(5), torch.randn(3, 2)]
@@ -213,8 +213,8 @@ def test_large_blocks_aligned_and_unaligned(device):
 def test_aligned_flags_are_sound():
     """A tensor is marked ALIGNED (unmasked 128-bit accesses on a GPU) only if every one of its chunk
     starts is 16-byte aligned on both sides; the interpreter ignores alignment, so check it here."""
-    from triton_kernels._checks import make_layout
-    from triton_kernels._table import ALIGNED, MAX_ENTRIES, _CACHE, addresses, descriptors
+    from lightning_mics_kernels._checks import make_layout
+    from lightning_mics_kernels._table import ALIGNED, MAX_ENTRIES, _CACHE, addresses, descriptors
 
     base, n_fast = torch.empty(1 << 16), 0
     cases = [[base[:64], base[64:81], base[96:96 + 257]], [base[4:20].view(4, 4), base[1:9]],
@@ -379,9 +379,9 @@ COMPILE = """
 import re, triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from triton_kernels.pack import pack_kernel
-from triton_kernels.unpack import unpack_kernel
-import torch, triton_kernels as tk
+from lightning_mics_kernels.pack import pack_kernel
+from lightning_mics_kernels.unpack import unpack_kernel
+import torch, lightning_mics_kernels as tk
 try:
     tk.flatten([torch.randn(3)], backend="triton")
 except RuntimeError as e:

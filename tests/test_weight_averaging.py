@@ -1,5 +1,5 @@
 """Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``, ``WeightAveraging``'s equal average) over the
-shards ([Note: weight averaging over the shards] in ``lightning_mics/weight_averaging.py``;
+shards ([Note: weight averaging over the shards] in ``lightning_mics/frontends/weight_averaging.py``;
 ``tests/scripts/averaging.py``), against DDP on the same data and seed: the validation losses (taken on the average,
 which the callback swaps in and out), the parameters after fit (the average, copied in), the checkpoint's average
 and module state, and a fit resumed from a checkpoint of the first epoch against the uninterrupted one.

@@ -85,13 +85,16 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
 
 def test_wheel_holds_every_module_and_config(installed: Installed) -> None:
     names = set(zipfile.ZipFile(installed.wheel).namelist())
-    expected = {p.relative_to(REPO).as_posix() for pkg in ("lightning_mics", "triton_kernels")
-                for p in (REPO / pkg).rglob("*.py") if "__pycache__" not in p.parts}
+    expected = {p.relative_to(REPO).as_posix() for p in (REPO / "lightning_mics").rglob("*.py")
+                if "__pycache__" not in p.parts}
+    expected |= {"lightning_mics_kernels/" + p.relative_to(REPO / "triton_kernels").as_posix()
+                 for p in (REPO / "triton_kernels").rglob("*.py") if "__pycache__" not in p.parts}
     expected |= {"lightning_mics/app/conf/" + p.relative_to(REPO / "conf").as_posix()
                  for p in (REPO / "conf").rglob("*") if p.suffix in (".yaml", ".py")}
     assert "lightning_mics/app/conf/config.yaml" in expected and "lightning_mics/app/conf/strategy/mics.yaml" in expected
     assert expected <= names, sorted(expected - names)
-    assert not any(n.startswith(("conf/", "tests/", "lightning_mics/conf/")) for n in names), sorted(names)
+    assert not any(n.startswith(("conf/", "tests/", "lightning_mics/conf/", "triton_kernels/")) for n in names), \
+        sorted(names)  # no top-level triton_kernels: triton's own repository ships a package of that name
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "lightning-mics-train = lightning_mics.app.train:main" in zipfile.ZipFile(installed.wheel).read(
         entry_points).decode()
@@ -105,6 +108,22 @@ def test_installed_package_comes_from_the_wheel(installed: Installed) -> None:
     site = installed.venv.resolve()
     assert site in package_file.resolve().parents, package_file
     assert site in config_yaml.resolve().parents and config_yaml.is_file(), config_yaml
+
+
+def test_installed_beside_another_triton_kernels_both_import(installed: Installed) -> None:
+    """Triton's repository ships a package named ``triton_kernels`` (vLLM installs it): the wheel claims no such
+    top-level name, so with one installed beside it both import, each its own."""
+    site = installed.user_dir("other_site")
+    (site / "triton_kernels").mkdir()
+    (site / "triton_kernels" / "__init__.py").write_text("OTHER = 'triton-lang/triton_kernels'\n")
+    code = ("import triton_kernels, lightning_mics_kernels, lightning_mics; "
+            "print(triton_kernels.OTHER); print(lightning_mics_kernels.__file__); print(lightning_mics.__file__)")
+    env = dict(installed.env, PYTHONPATH=str(site))
+    proc = _sh([installed.python, "-c", code], cwd=installed.user_dir("both"), env=env)
+    other, ours, package = proc.stdout.split()
+    assert other == "triton-lang/triton_kernels"
+    assert installed.venv.resolve() in Path(ours).resolve().parents, ours
+    assert installed.venv.resolve() in Path(package).resolve().parents, package
 
 
 def test_console_script_prints_config_from_any_folder(installed: Installed) -> None:

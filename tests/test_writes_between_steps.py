@@ -1,14 +1,14 @@
 """Parameters read and written outside the optimizer step, against DDP on the same data and seed: MiCS at s = 2
 and the layouts that shard the optimizer state (``shard_optimizer_state=True``).
 
-- s = 2 ([Note: writes between steps] in ``lightning_mics/lent.py``): the root unit stays gathered between the
+- s = 2 ([Note: writes between steps] in ``lightning_mics/engine/lent.py``): the root unit stays gathered between the
   micro-batches of a window; before its gathered parameters were taken into the masters, a clamp between
   micro-batches was lost (0.0094 from DDP on 4 ranks).
-- s = 1, the optimizer-state-only layout ([Note: writes between steps] in ``lightning_mics/lent.py``): between steps
+- s = 1, the optimizer-state-only layout ([Note: writes between steps] in ``lightning_mics/engine/lent.py``): between steps
   the module computes with whole plain copies of the parameters, which the step's all-gather refreshes from the
   optimizer's master rows. Before the masters took the writes back, a clamp after every step ended 4.05 from DDP on
   4 ranks, as if it never ran.
-- s = 2 with the optimizer's rows over 2 replicas ([Note: rows between steps] in ``lightning_mics/optimizer_rows.py``):
+- s = 2 with the optimizer's rows over 2 replicas ([Note: rows between steps] in ``lightning_mics/engine/optimizer_rows.py``):
   each replica steps its rows of the shard, and between steps the module's parameters are those rows. Before a
   write to them crossed to the other replicas, the updated rows left right after the step and a write after it
   stayed on this replica: a clamp after every step ended 0.088 from DDP, an average swapped in for validation gave

@@ -1,11 +1,11 @@
 """The quantized ops for the slow hop: block-quantized int8 with fp32 scales, one launch per bucket.
 
-    q = triton_kernels.quantize(tensors, block_size, num_chunks=r, residual=res)  # -> Quantized(wire, q, scales)
+    q = lightning_mics_kernels.quantize(tensors, block_size, num_chunks=r, residual=res)  # -> Quantized(wire, q, scales)
     dist.all_to_all_single(recv, q.wire, group=replicas)                        # chunk j, scales included, to rank j
-    part = triton_kernels.dequantize_sum(recv, r, block_size)                   # fp32 sum of the r chunks
-    mine = triton_kernels.quantize([part], block_size)                          # one row
+    part = lightning_mics_kernels.dequantize_sum(recv, r, block_size)                   # fp32 sum of the r chunks
+    mine = lightning_mics_kernels.quantize([part], block_size)                          # one row
     dist.all_gather_into_tensor(gathered, mine.wire, group=replicas)            # (r, row_bytes)
-    triton_kernels.dequantize(gathered, grads, block_size, num_chunks=r)        # into any float dtypes
+    lightning_mics_kernels.dequantize(gathered, grads, block_size, num_chunks=r)        # into any float dtypes
 
 Layout, scale rule, non-finite rule and error bound: [Note: quantized wire format] in
 _quant_layout.py. Both backends run the same checks and give bit-identical results (NaN payloads of

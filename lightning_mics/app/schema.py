@@ -35,7 +35,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mics.config import MiCSConfig
+from lightning_mics.options import MiCSConfig
 
 _PLAIN = (bool, int, float, str)
 

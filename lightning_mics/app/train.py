@@ -62,7 +62,7 @@ from omegaconf import DictConfig, open_dict, read_write
 from lightning_mics.app import schema
 from lightning_mics.app.data import CorpusError
 from lightning_mics.app.schema import UsageError
-from lightning_mics.topology import release_all_groups, release_groups_at_exit
+from lightning_mics.layout.topology import release_all_groups, release_groups_at_exit
 
 # The configs as a Python package (conf/ mapped to lightning_mics.app.conf by pyproject.toml).
 CONF_MODULE = "lightning_mics.app.conf"

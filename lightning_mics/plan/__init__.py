@@ -9,7 +9,7 @@ The modules, each importing only those above it:
 - ``models``: a model as the planner sees it (units of parameter shapes), from a name, a Hugging Face config, a
   count or an ``nn.Module``;
 - ``settings``: everything but the model (cluster presets, precision, optimizer, batch shape, the strategy's
-  options with :class:`~lightning_mics.config.MiCSConfig`'s defaults), validated;
+  options with :class:`~lightning_mics.options.MiCSConfig`'s defaults), validated;
 - ``estimate``: the arithmetic for one layout ([Note: planner arithmetic] there);
 - ``report``: :func:`plan`, estimating every valid degree, and its result :class:`Plan` with the explanation, the
   table and the chart;

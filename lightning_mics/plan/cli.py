@@ -1,7 +1,7 @@
 """The planner's command line: ``python -m lightning_mics.plan`` and the ``lightning-mics-plan`` script.
 
 An option left out is left to :class:`~lightning_mics.plan.settings.Settings` (and through it to
-:class:`~lightning_mics.config.MiCSConfig`), so the defaults are written in one place.
+:class:`~lightning_mics.options.MiCSConfig`), so the defaults are written in one place.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 Model state per GPU follows the engine's layout rules, imported rather than restated where they are code:
 ``sharding.stays_replicated`` (small parameters whole on every rank), ``placement.Rows`` (each sharded parameter
 cut on dim 0 into ceil(d0/s)-row chunks, zero-padded), ``collectives.bucket_runs`` (gradient buckets), and
-``precision.default_dtypes`` (gathered and reduction dtypes per precision). Per shard rank j:
+``options.default_dtypes`` (gathered and reduction dtypes per precision). Per shard rank j:
   params     the unit's padded flat shard (masters, the parameters' dtype) + replicated parameters whole;
   grads      per unit with a trainable parameter, its padded accumulator (the reduction dtype; the gradients are
              views of it when the dtypes agree, else unpadded copies), + the replicated parameters' all-reduce
@@ -27,7 +27,7 @@ are those rows; the replica all-reduce is one reduce-scatter per unit (the reduc
 per unit after the step (the master dtype), each of r x the rows' slots; each unit keeps a copy of this replica's
 row (the master dtype, counted with params), and each of the window's forwards after its first all-reduces a
 4-byte flag per unit over the replica group ([Note: rows between steps]).
-Quantized traffic ([Note: quantized traffic] in config.py): with ``quantize_gradients`` each replica all-reduce
+Quantized traffic ([Note: quantized traffic] in options.py): with ``quantize_gradients`` each replica all-reduce
 moves the int8 wire of its bucket, ``quantized.wire_bytes`` = b (1 + 4/B) bytes up to padding, in place of b times
 the reduction dtype (x (1 + 4/B)/4 against fp32), the same ring time (an all-to-all and an all-gather of it), and
 with ``"error_feedback"`` each rank keeps, per bucket, its residual (b elements) and its reduced chunk's (b / r),
@@ -54,14 +54,14 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from lightning_mics.collectives import bucket_runs
-from lightning_mics.placement import Rows
+from lightning_mics.comm.collectives import bucket_runs
+from lightning_mics.layout.placement import Rows
 from lightning_mics.plan.models import ModelSpec, ParamShape, UnitShapes
 from lightning_mics.plan.settings import GiB, OPTIMIZER_STATES, Settings, _fail
-from lightning_mics.quantized import chunk_numel, feedback_numel, wire_bytes
-from lightning_mics.replicated import DDP_BUCKET_BYTES
-from lightning_mics.sharding import stays_replicated
-from lightning_mics.topology import plan_layout
+from lightning_mics.comm.quantized import chunk_numel, feedback_numel, wire_bytes
+from lightning_mics.engine.replicated import DDP_BUCKET_BYTES
+from lightning_mics.layout.sharding import stays_replicated
+from lightning_mics.layout.topology import plan_layout
 
 LINKS = ("intra-node", "inter-node", "replica")
 

@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch.nn as nn
 
-from lightning_mics.sharding import plan_sharding, resolve_classes
+from lightning_mics.layout.sharding import plan_sharding, resolve_classes
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The planner's inputs other than the model: the cluster, the job and the strategy's options, validated.
 
 The strategy's own options (``prefetch``, ``max_live_parameters``, ...) take their defaults from
-:class:`lightning_mics.config.MiCSConfig`'s fields and are checked by it, so the planner cannot drift from the
+:class:`lightning_mics.options.MiCSConfig`'s fields and are checked by it, so the planner cannot drift from the
 strategy it plans for. The rest (cluster, precision, optimizer, batch shape) is the planner's own.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Optional, Tuple
 
-from lightning_mics.config import MiCSConfig, MiCSOptions, check_quantization, parse_dtype
-from lightning_mics.precision import default_dtypes
+from lightning_mics.options import MiCSConfig, MiCSOptions, check_quantization, parse_dtype
+from lightning_mics.options import default_dtypes
 
 GiB = 2 ** 30
 
@@ -33,7 +33,7 @@ INSTANCES: Dict[str, Instance] = {
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-_DEFAULTS = MiCSOptions()  # the strategy's defaults ([Note: one option list] in config.py)
+_DEFAULTS = MiCSOptions()  # the strategy's defaults ([Note: one option list] in options.py)
 # The strategy's options the planner takes, passed on to MiCSConfig for its checks.
 _STRATEGY_OPTIONS = ("prefetch", "max_live_parameters", "param_persistence_threshold", "reduce_bucket_size",
                      "param_dtype", "reduce_dtype", "shard_optimizer_state")
@@ -80,7 +80,7 @@ class Settings:
     tensor_parallel_degree: int = _strategy_default("tensor_parallel_degree")
     # ZeRO-1: s = 1, optimizer state over all W ([Note: planner arithmetic] in estimate.py)
     shard_optimizer_state: bool = _strategy_default("shard_optimizer_state")
-    # [Note: quantized traffic] in config.py: int8 blocks across the slow hop (checked by check_quantization)
+    # [Note: quantized traffic] in options.py: int8 blocks across the slow hop (checked by check_quantization)
     quantize_gradients: Any = _strategy_default("quantize_gradients")  # False | True | "error_feedback"
     quantize_allgather: bool = _strategy_default("quantize_allgather")
     quantization_block_size: int = _strategy_default("quantization_block_size")

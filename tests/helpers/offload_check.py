@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as Fn
 
-from lightning_mics.activations import ActivationCheckpointing, plan_groups
-from lightning_mics.telemetry import CommLog
+from lightning_mics.engine.activations import ActivationCheckpointing, plan_groups
+from lightning_mics.comm.telemetry import CommLog
 
 D, BATCH, BLOCKS = 32, 16, 4
 

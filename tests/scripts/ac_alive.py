@@ -23,10 +23,10 @@ import lightning as L  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
-from lightning_mics import activations  # noqa: E402
+from lightning_mics.engine import activations  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
-from lightning_mics.strategy import MiCSStrategy  # noqa: E402
+from lightning_mics.frontends.trainer import MiCSStrategy  # noqa: E402
 
 VOCAB = 64
 

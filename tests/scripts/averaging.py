@@ -1,5 +1,5 @@
 """Lightning's ``WeightAveraging`` callbacks under a strategy ([Note: weight averaging over the shards] in
-lightning_mics/weight_averaging.py), one case after another in one process (one rank; ``compat.py``'s ``main``):
+lightning_mics/frontends/weight_averaging.py), one case after another in one process (one rank; ``compat.py``'s ``main``):
 
     python averaging.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp --cases ema,swa,ema_bf16,ema_accum
 

@@ -1,5 +1,5 @@
 """DTensors a checkpoint holds beside the model ([Note: DTensors beside the model] in
-lightning_mics/checkpoint_beside.py): a hand-written EMA of the parameters, kept as clones of them, one case after
+lightning_mics/checkpoint/beside.py): a hand-written EMA of the parameters, kept as clones of them, one case after
 another in one process (one rank; ``compat.py``'s ``main``):
 
     python beside.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp|fabric_mics_os|... --cases ema,...

@@ -1,5 +1,5 @@
 """tests/scripts/equiv.py with the second collective of every chain issued at once, as on NCCL ([Note: chained
-collectives] in lightning_mics/collectives.py): on gloo the host waits for the first one at issue. The same
+collectives] in lightning_mics/comm/collectives.py): on gloo the host waits for the first one at issue. The same
 arguments as equiv.py; the results in the same files."""
 
 import runpy
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_mics import collectives  # noqa: E402
+from lightning_mics.comm import collectives  # noqa: E402
 
 collectives.CHAIN_AT_ISSUE = True
 runpy.run_path(str(Path(__file__).with_name("equiv.py")), run_name="__main__")

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_mics.clip import clip_grad_norm_  # noqa: E402
+from lightning_mics.frontends.clip import clip_grad_norm_  # noqa: E402
 
 MAX_NORM = 0.5
 

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 import lightning_mics  # noqa: E402
-import lightning_mics.reliability  # noqa: E402
+import lightning_mics.frontends.reliability  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
-from lightning_mics.sharding import stays_replicated  # noqa: E402
+from lightning_mics.layout.sharding import stays_replicated  # noqa: E402
 from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 from tests.helpers.late_collectives import LateCollectives  # noqa: E402
@@ -206,7 +206,7 @@ def case_equiv(s, accum, kind, clip, how, precision="32-true", layout=""):
     with torch.no_grad():
         out = model(probe)  # called outside the loop: full parameters gathered unit by unit
         # a root-owned submodule called directly, outside Fabric's precision context: [Note: calls outside the
-        # precision's context] in lightning_mics/hooks.py (bf16-mixed: it met bf16 copies without autocast)
+        # precision's context] in lightning_mics/engine/hooks.py (bf16-mixed: it met bf16 copies without autocast)
         ones = torch.ones(3, D, dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32)
         head = model.module.head(ones)
     held = fabric.strategy.model_state_bytes(model.module, [opt])
@@ -465,8 +465,8 @@ def case_feedback(s, precision="32-true"):
             out[fmt] = {"rel": compare(resumed, straight), "warned": warned,
                         "dtypes": sorted({str(v.dtype) for v in saved})}
             if fmt == "sharded":
-                from lightning_mics import checkpoint_files as files
-                from lightning_mics.feedback_state import KEY
+                from lightning_mics.checkpoint import files as files
+                from lightning_mics.checkpoint.feedback import KEY
                 index = files.read_index(path)
                 out[fmt]["ranks"] = sorted({p[2] for p in index.planner_data.values() if p[0] == KEY})
     return out
@@ -477,7 +477,7 @@ def case_feedback_rows(s):
     saves halfway (sharded), trains on; then loads that checkpoint into the same, live model and optimizer (rows
     in flight, each replica's agreed copy taken) and trains on again, and a fresh model resumes from it. Both
     against the uninterrupted run; and every replica of a shard rank holds the same chunk bits at the end."""
-    from lightning_mics.frontend import engine_of
+    from lightning_mics.frontends.shared import engine_of
 
     fabric = new_fabric(int(s), state_dict_type="sharded", shard_optimizer_state=True, **EF)
     path = OUT / "ef-rows"
@@ -504,8 +504,8 @@ def case_feedback_rows(s):
 def _refuses_foreign_residuals(model):
     """Residuals of the right names but another size (a checkpoint of another model) given to the engine that
     just resumed: refused with a ValueError, and none taken, not even one of the right size listed before it."""
-    from lightning_mics import feedback_state
-    from lightning_mics.frontend import engine_of
+    from lightning_mics.checkpoint import feedback as feedback_state
+    from lightning_mics.frontends.shared import engine_of
 
     engine = engine_of(model.module)
     before = [g.residual_state() for g in engine.grads.all]
@@ -562,7 +562,7 @@ def case_nonfinite():
     fabric.backward(loss * (float("nan") if fabric.global_rank == 1 else 1.0))
     try:
         opt.step()
-    except lightning_mics.reliability.NonFiniteError as err:
+    except lightning_mics.frontends.reliability.NonFiniteError as err:
         error = str(err)
     else:
         error = None

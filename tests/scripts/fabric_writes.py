@@ -12,7 +12,7 @@ parameter, computed outside the forward as under FSDP2 (a DTensor parameter thro
 ``result.json``: the largest difference to the reference's parameters and evaluation losses, and whether every rank
 ended with the same parameters. Before the optimizer is built, a forward with grad and no backward (a shape probe)
 leaves the root unit gathered, so ``model.parameters()`` gives its plain parameters (``point_at_shards`` in
-lightning_mics/frontend.py).
+lightning_mics/frontends/shared.py).
 """
 
 import argparse

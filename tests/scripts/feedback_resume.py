@@ -22,8 +22,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics import checkpoint_files as files  # noqa: E402
-from lightning_mics.feedback_state import KEY  # noqa: E402
+from lightning_mics.checkpoint import files as files  # noqa: E402
+from lightning_mics.checkpoint.feedback import KEY  # noqa: E402
 from tests.scripts.quant_equiv import D_IN, D_OUT, Module, data  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH = 4, 3

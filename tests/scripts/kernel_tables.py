@@ -1,7 +1,7 @@
 """One rank of ``tests/test_kernel_tables.py``: a Fabric loop under MiCS with ``kernels="triton"`` (the kernels
 interpreted on CPU) over a model of many units of distinct shapes, so that more distinct buckets are copied per
 step than the old 64-entry table cache held. Records, per step, the descriptor tables the Triton copies looked up,
-built and the per-call pointer arrays they sent (``triton_kernels.table_stats()``), and the parameters at the end.
+built and the per-call pointer arrays they sent (``lightning_mics_kernels.table_stats()``), and the parameters at the end.
 
 ``--int8``: the gather's cross-node hop in int8 blocks (``quantize_allgather``, each rank its own node), so the
 quantize / dequantize kernels run as well.
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 
-import triton_kernels  # noqa: E402
-from triton_kernels import _table  # noqa: E402
+import lightning_mics_kernels  # noqa: E402
+from lightning_mics_kernels import _table  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 
 
@@ -63,14 +63,14 @@ def main():
     for _ in range(args.steps):
         x = torch.randn(world, 2, 8, generator=g)[rank]
         y = torch.randn(world, 2, 8 + args.units, generator=g)[rank]
-        triton_kernels.reset_table_stats()
+        lightning_mics_kernels.reset_table_stats()
         known = set(_table._CACHE)
         loss = (model(x).float() - y).pow(2).mean()
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
         built = [str(k)[:300] for k in _table._CACHE if k not in known]  # what a failing assertion shows
-        steps.append(dict(triton_kernels.table_stats()._asdict(), built=built if len(built) < 10 else len(built)))
+        steps.append(dict(lightning_mics_kernels.table_stats()._asdict(), built=built if len(built) < 10 else len(built)))
     params = {k: v.full_tensor().float().tolist() if hasattr(v, "full_tensor") else v.float().tolist()
               for k, v in fabric.strategy.get_module_state_dict(model).items()}
     result = {"rank": rank, "steps": steps, "units": len(fabric.strategy._engines[0].units), "params": params}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import lightning_mics.collectives as collectives  # noqa: E402
+import lightning_mics.comm.collectives as collectives  # noqa: E402
 
 _real = collectives.gathered
 

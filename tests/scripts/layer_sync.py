@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.plugins.layer_sync import LayerSync  # noqa: E402
 
-from lightning_mics.frontend import engine_of  # noqa: E402
+from lightning_mics.frontends.shared import engine_of  # noqa: E402
 
 from tests.scripts.compat import BATCH, D, H, Base, Block, classification_data, loader, main, params, \
     strategy_for, trainer_for  # noqa: E402

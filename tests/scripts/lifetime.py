@@ -28,10 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lightning_mics import frontend  # noqa: E402
+from lightning_mics.frontends import shared as frontend  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
-from lightning_mics.strategy import MiCSStrategy  # noqa: E402
+from lightning_mics.frontends.trainer import MiCSStrategy  # noqa: E402
 
 VOCAB, STEPS = 64, 2
 WORLD = int(os.environ["WORLD_SIZE"])

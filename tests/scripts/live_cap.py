@@ -1,5 +1,5 @@
 """One rank of a capped fit that compares, at every dispatched op, the gathered elements the engine counts against
-``max_live_parameters`` ([Note: live cap] in lightning_mics/schedule.py) with what is alive, measured from storages
+``max_live_parameters`` ([Note: live cap] in lightning_mics/engine/schedule.py) with what is alive, measured from storages
 (tests/helpers/live.py: the plain parameters' storages and the all-gather outputs not yet copied out), and records
 the sizes of the all-gather outputs against the units' full sizes."""
 

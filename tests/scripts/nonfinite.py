@@ -25,8 +25,8 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
-from lightning_mics.placement import local  # noqa: E402
-from lightning_mics.reliability import NonFiniteError  # noqa: E402
+from lightning_mics.layout.placement import local  # noqa: E402
+from lightning_mics.frontends.reliability import NonFiniteError  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 BAD_STEP = 3

@@ -1,4 +1,4 @@
-"""One rank of the quantized collectives' checks (lightning_mics/quantized.py) on real gloo ranks.
+"""One rank of the quantized collectives' checks (lightning_mics/comm/quantized.py) on real gloo ranks.
 
 Every rank draws every rank's input from a seed, so each one computes the exact reference (float64) and the
 bound itself; the results (errors, bounds, flags) go to result<rank>.json for the test to judge.
@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from lightning_mics import quantized as Q  # noqa: E402
-from lightning_mics.collectives import NodeGroups, all_gather_two_hop, gathered, wait  # noqa: E402
+from lightning_mics.comm import quantized as Q  # noqa: E402
+from lightning_mics.comm.collectives import NodeGroups, all_gather_two_hop, gathered, wait  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
 U = 2.0 ** -24

@@ -12,9 +12,9 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from lightning_mics.config import MiCSConfig  # noqa: E402
-from lightning_mics.engine import MiCSEngine  # noqa: E402
-from lightning_mics.topology import build_topology, plan_layout  # noqa: E402
+from lightning_mics.options import MiCSConfig  # noqa: E402
+from lightning_mics.engine.engine import MiCSEngine  # noqa: E402
+from lightning_mics.layout.topology import build_topology, plan_layout  # noqa: E402
 
 
 class Block(torch.nn.Module):

@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics import checkpoint as ckpt  # noqa: E402
-from lightning_mics.placement import is_sharded  # noqa: E402
+from lightning_mics.checkpoint import state as ckpt  # noqa: E402
+from lightning_mics.layout.placement import is_sharded  # noqa: E402
 from tests.scripts.equiv import VOCAB, TiedFrozen, data, make_optimizer  # noqa: E402
 
 EXTRA = {}  # --extra: more strategy options for every run of this process
@@ -247,7 +247,7 @@ def phase_bf16(out, world, rank):
     got = t.strategy.lightning_module_state_dict()
     res = {"stays_sharded": stays_sharded}
     if rank == 0:
-        from lightning_mics.checkpoint_files import read_index
+        from lightning_mics.checkpoint.files import read_index
 
         index = read_index(out / "bf16.ckpt")
         res["saved_dtypes"] = sorted({str(md.properties.dtype) for k, md in index.state_dict_metadata.items()

@@ -1,4 +1,4 @@
-"""One rank of the process-group count ([Note: MiCS layout] in lightning_mics/topology.py): for each layout, the
+"""One rank of the process-group count ([Note: MiCS layout] in lightning_mics/layout/topology.py): for each layout, the
 groups ``build_topology`` creates (new entries of c10d's group map), the groups the engine runs collectives on (the
 mesh's axes and the two-hop gather's groups), and a two-hop all-gather over those groups against the flat one."""
 
@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch.distributed as dist  # noqa: E402
 from torch.distributed import distributed_c10d as c10d  # noqa: E402
 
-from lightning_mics import collectives as C  # noqa: E402
-from lightning_mics.topology import build_topology, plan_layout, release  # noqa: E402
+from lightning_mics.comm import collectives as C  # noqa: E402
+from lightning_mics.layout.topology import build_topology, plan_layout, release  # noqa: E402
 
 
 def ranks_of(groups):

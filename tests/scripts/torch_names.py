@@ -1,5 +1,5 @@
 """One rank of the check that the engine's all-gather and reduce-scatter work under both names torch has had
-for them (lightning_mics/collectives.py): ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13) and
+for them (lightning_mics/comm/collectives.py): ``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13) and
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` before. ``--old-names`` removes the new names from
 ``torch.distributed`` before the package is imported, as an older torch has them; every call goes through a
 recorder, and the results and the names called go to result<rank>.json."""
@@ -39,7 +39,7 @@ def main() -> None:
                 return _fn(*a, **k)
             setattr(dist, name, record)
 
-    from lightning_mics import collectives as C
+    from lightning_mics.comm import collectives as C
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

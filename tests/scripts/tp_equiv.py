@@ -230,7 +230,7 @@ def full_checkpoints(args, rank, fit, trainer):
     trainer.strategy.options = replace(trainer.strategy.options, state_dict_type="sharded")
     trainer.save_checkpoint(out / "tp_sharded.ckpt")
     if rank == 0:
-        from lightning_mics.checkpoint import consolidate
+        from lightning_mics.checkpoint.state import consolidate
 
         torch.save(consolidate(out / "tp_sharded.ckpt"), out / "tp_consolidated.ckpt")
     trainer.strategy.barrier()

@@ -26,7 +26,7 @@
   ``training_step``, a fit of one epoch saving a checkpoint and a second fit resumed from it; with the types the
   module's parameters have in the hooks (DDP's: plain in every one) and the parameters after each fit;
 - ``bits`` (zero1 only): under ``bf16-mixed`` with no write, taking the plain parameters back into the masters
-  after every step leaves every master bit as it was ([Note: writes between steps] in lightning_mics/lent.py).
+  after every step leaves every master bit as it was ([Note: writes between steps] in lightning_mics/engine/lent.py).
 """
 
 import sys

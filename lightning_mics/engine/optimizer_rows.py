@@ -1,0 +1,285 @@
+"""The optimizer's rows over replicas: one unit's gradient reduce-scatter across the replica group at the
+accumulation boundary, and the all-gather of the updated rows that the next forward waits for.
+
+[Note: optimizer rows over replicas]
+``shard_optimizer_state=True`` with s > 1 keeps MiCS's layout for parameters and gradients (each rank of a shard
+group holds its chunk of every sharded parameter, every replica the same chunk) but shards the optimizer state
+over all s x r data-parallel ranks: replica j steps only its part of the chunk, rows
+``[j * ceil(n / r), (j + 1) * ceil(n / r))`` of the chunk's n rows (torch.chunk's rows), which is DTensor's
+``(_StridedShard(0, split_factor=s), Shard(0))`` on the (replicate, shard) mesh: the optimizer's DTensors, their
+gradients and optimizer state are those rows (``ShardedParam.stepped``, a view of the flat shard).
+
+The replica all-reduce of the window's shard gradients becomes its two halves, split around the step:
+- at the boundary each unit's accumulator is *reduce-scattered* over the replica group (the rows laid out
+  replica-major by ``chunk_cat``, so each replica receives the summed rows it steps), issued as early as the
+  all-reduce was ([Note: replica sync overlap] in gradients.py);
+- after the optimizer step every unit's updated rows are *all-gathered* over the replica group (master dtype,
+  async, in unit order) when the next forward starts, and a unit's gather waits for its rows before it reads the
+  flat shard, so these transfers run while the forward computes the units before it ([Note: rows between
+  steps]). A state dict, a save or a full gather exchanges them first and waits.
+The bytes on the replica link are the all-reduce's (a ring all-reduce is a reduce-scatter plus an all-gather);
+in fp32 the same, with a lower reduce_dtype the gather half moves master-dtype rows. What moves is *when*: half
+of it overlaps the forward instead of queueing after the backward, and each replica's optimizer steps 1/r of
+the rows and holds 1/r of the state. The model's sharded checkpoint holds the chunks as without the option
+(``ShardedParam.held``); the optimizer state is saved and resharded through its DTensor placement.
+
+[Note: rows between steps]
+Between steps the module's parameters are the optimizer's DTensors, each replica's rows. A read (``full_tensor``, a
+norm logged after the step) gathers every replica's rows and sees what DDP would. A write (weight clipping after
+the step, an average swapped in for validation and back) changes this replica's rows only, and every replica's
+chunk must take it before it is next read whole. So rows cross the replicas when the chunks are next read, and
+whatever changed them crosses:
+- each replica keeps its rows as every replica holds them (``agreed``: taken when the chunks are built, after a
+  load, and at every exchange);
+- an optimizer step marks every unit ``stale`` (the post-step hook runs alike on every rank);
+- when a forward enters the root, and before a save, a state dict or the end of a run (``exchange``), every unit
+  whose rows differ from ``agreed`` exchanges them: the stale ones and, unless every unit is stale, those whose
+  rows some replica finds changed bit for bit. One all-reduce of a flag per unit over the replica group makes that
+  decision the same everywhere: a write may change one replica's rows and not another's (a clamp with nothing out
+  of range on one of them);
+- the exchanges are issued in unit order, async; each unit's gather waits for its own.
+Before, the updated rows left right after the step and writes after it reached this replica's rows only: a clamp
+after every step ended 0.088 from DDP on 4 ranks, an average swapped in validated on a mix of rows. The cost is a
+copy of this replica's rows (1/r of the master shard) and, on a forward that no step precedes (the micro-batches
+inside an accumulation window, evaluation), the comparison, the flags' all-reduce (4 bytes a unit, latency only)
+and one host read of their sums ([Note: host reads per step] in reliability.py); after a step every unit is stale
+and nothing is compared or read. Every rank then runs the same forwards as its replicas, as it already does with
+its shard group; Lightning's ``DistributedSampler`` pads evaluation to the same batches on every rank. Not seen: a
+write made after a forward has entered the root and before a unit's backward gathers it again (inside the training
+step).
+
+[Note: quantized optimizer rows]
+With ``quantize_gradients`` the reduce-scatter travels as int8 blocks: steps 1-3 of [Note: quantized all-reduce]
+(quantized.py), the replica-major layout's rows padded to a multiple of 4 elements so that each replica's row is
+one quantized chunk. The all-gather carries parameters, not gradients: rounding them would leave every replica's
+masters off by a quantum, and an update smaller than half a quantum would be lost on every step. So it stays in
+the master dtype with ``quantize_gradients=True``; with ``"error_feedback"`` what travels in int8 is the step's
+*change* of this replica's rows plus the rounding error left by the last one (the residual's ``reduced`` half):
+- ``agreed`` ([Note: rows between steps]) is this replica's rows as every replica holds them;
+- at an exchange, delta = rows - agreed (the step's change, and any other write to these rows since the last
+  exchange, e.g. a clamp after the step); delta + residual is quantized and all-gathered, and agreed and this
+  replica's rows become agreed + its own dequantized delta;
+- every other replica adds that dequantized delta to its copy of those rows (``settle``).
+All replicas then hold the same bits, as in fp32: each adds the same dequantized values to the same rows. The
+masters move by the quantized deltas; summed over steps they differ from the optimizer's own updates only by
+the last residual, within one quantization's bound ([Note: error feedback]): the error does not accumulate.
+Per step and replica the link carries about n / 2 + n / 2 bytes (int8 both ways, scales 4/B) against the fp32
+all-reduce's 4 n: a quarter, as the quantized all-reduce. The residuals (the contribution's r x row elements in
+the reduction dtype, the delta's row in the master dtype) are carried by sharded checkpoints like the others
+([Note: residuals in checkpoints] in checkpoint/feedback.py).
+
+[Note: rows when a run ends]
+A run that ends well exchanges what is stale or written (``exchange``, its quiesce), so the next run (a second
+``fit`` in the same process, a state dict of a module left sharded) starts from the same parameters on every
+replica. After a failure (``drop``, no collective issued: a peer may be gone) an exchange in flight is given until
+the failure grace to complete ([Note: a lone failure] in reliability.py) and taken if it did; either way every
+unit is marked stale with its *rows* due next, also with int8 deltas: ranks may have taken different exchanges,
+and the next one (every rank alike, after a failure on every rank, whose groups are kept) sends the rows
+themselves, after which the replicas agree whatever arrived before.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+import lightning_mics_kernels
+from lightning_mics.comm import collectives as C
+from lightning_mics.comm import quantized as Q
+from lightning_mics.layout.placement import ShardedParam
+from lightning_mics.comm.telemetry import CommLog
+from lightning_mics.layout.topology import Topology
+
+_POLL_S = 0.005
+
+
+class OptimizerRows:
+    """One unit's optimizer rows over the replica group ([Note: optimizer rows over replicas]): where each
+    parameter's rows sit in the replica-major layout, the gradients' reduce-scatter, the rows' all-gather."""
+
+    def __init__(self, params: Sequence[ShardedParam], topo: Topology, log: CommLog, kernels: str,
+                 quantize: Optional[Q.QuantizeSpec] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
+        self.params, self.log, self.kernels = list(params), log, kernels
+        self.group, self.r = topo.replica_group, topo.layout.replicas
+        self.offsets: List[int] = [0]  # of each parameter's slot in one replica's row of the layout
+        for sp in self.params:
+            self.offsets.append(self.offsets[-1] + sp.rows.sub_chunk * sp.rows.rest)
+        self.quantize = quantize or Q.QuantizeSpec()  # [Note: quantized optimizer rows]
+        self.deltas = self.quantize.gradients == "error_feedback"  # the all-gather sends int8 deltas
+        self.row = Q.chunk_numel(self.offsets[-1])  # one replica's row, padded to a whole quantized chunk
+        self.reduce_dtype = reduce_dtype or self.params[0].local.dtype
+        self.residual: Optional[Q.Residual] = None  # error feedback: (contribution, delta), lazily
+        self._agreed: Optional[Tensor] = None  # this replica's rows as every replica holds them (``agree``)
+        self.stale = False  # stepped since the last exchange ([Note: rows between steps])
+        self._rows_next = False  # the next exchange sends the rows, not int8 deltas ([Note: rows when a run ends])
+        self._pending: Optional[C.AllGatherResult] = None  # the rows' exchange, in flight
+        self._pending_rows = False  # whether it carries rows (else int8 deltas)
+
+    @staticmethod
+    def chunk_of(flat: Tensor, sp: ShardedParam) -> Tensor:
+        """The chunk's unpadded rows of ``sp`` in a flat-shard-layout tensor."""
+        return flat[sp.offset:sp.offset + sp.rows.local_rows * sp.rows.rest].view(sp.rows.local_rows, *sp.shape[1:])
+
+    def reduce_scatter(self, accum: Tensor, async_op: bool) -> C.ReduceScatterResult:
+        """Sums ``accum`` (the window's shard gradients, flat-shard layout) over the replicas; the output holds
+        this replica's rows of every parameter (``rows_of``)."""
+        chunks = [self.chunk_of(accum, sp) for sp in self.params]
+        if not self.quantize.gradients:
+            return C.reduce_scatter_grads(chunks, self.group, self.r, dtype=accum.dtype, async_op=async_op,
+                                          log=self.log, group_name="replicate", kernels=self.kernels,
+                                          fewest_bytes=True)  # [Note: reduce-scatter on gloo] in collectives.py
+        send = lightning_mics_kernels.chunk_cat(chunks, self.r, dtype=accum.dtype, backend=self.kernels)  # replica-major
+        if self.row > self.offsets[-1]:  # each replica's row padded to a whole quantized chunk
+            send = torch.nn.functional.pad(send, (0, self.row - self.offsets[-1]))
+        return Q.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
+                                          residual=self._residual().contribution if self.deltas else None,
+                                          log=self.log, group_name="replicate", kernels=self.kernels)
+
+    def _residual(self) -> Q.Residual:
+        if self.residual is None:
+            master = self.params[0].local
+            self.residual = Q.Residual(torch.zeros(self.r * self.row, dtype=self.reduce_dtype, device=master.device),
+                                       torch.zeros(self.row, dtype=master.dtype, device=master.device))
+        return self.residual
+
+    def residual_numel(self) -> int:
+        """Elements of the contribution half of the error-feedback state (checked when a checkpoint restores it)."""
+        return self.r * self.row
+
+    def rows_of(self, out: Tensor, i: int) -> Tensor:
+        """Parameter ``i``'s rows in this replica's row of the layout (a view; the shape of its DTensor's local)."""
+        sp = self.params[i]
+        o = self.offsets[i]
+        return out[o:o + sp.rows.sub_chunk * sp.rows.rest].view(sp.rows.sub_chunk, *sp.shape[1:])[
+            : sp.rows.sub_hi - sp.rows.sub_lo]
+
+    def _pack(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, device: torch.device,
+              numel: int) -> Tensor:
+        return self._pack_into(torch.zeros(numel, dtype=dtype, device=device), locals_)
+
+    def _pack_into(self, send: Tensor, locals_: Sequence[Optional[Tensor]]) -> Tensor:
+        """Each tensor into its slot of ``send`` (the rest of ``send`` left as it is)."""
+        for i, t in enumerate(locals_):
+            if t is not None and t.numel():
+                send[self.offsets[i]:self.offsets[i] + t.numel()].copy_(t.reshape(-1))
+        return send
+
+    def _gather(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, device: torch.device,
+                async_op: bool) -> C.AllGatherResult:
+        send = self._pack(locals_, dtype, device, self.offsets[-1])
+        return C.all_gather_flat(send, self.group, self.r, async_op=async_op, log=self.log, group_name="replicate")
+
+    # -- the rows between steps ([Note: rows between steps]) ------------------------------------------------
+    def agree(self) -> None:
+        """Every replica holds these chunks alike (they were just built, or loaded): this replica's rows as they
+        all hold them. Nothing may be in flight."""
+        ref = self.params[0].local
+        with torch.no_grad():
+            self._agreed = self._pack([sp.stepped for sp in self.params], ref.dtype, ref.device, self.row)
+        self.stale = self._rows_next = False
+
+    def changed(self) -> Tensor:
+        """Whether this replica's rows differ, bit for bit, from what the replicas agreed on: a 0-dim float tensor
+        on the rows' device (1.0: changed), so that many units are decided with one host synchronization."""
+        ref = self.params[0].local
+        if self._agreed is None:
+            return torch.ones((), device=ref.device)
+        flags = [torch.ne(sp.stepped.reshape(-1).view(torch.uint8), self._agreed[o:o + sp.stepped.numel()]
+                          .view(torch.uint8)).any() for sp, o in zip(self.params, self.offsets) if sp.stepped.numel()]
+        return torch.stack(flags).any().float() if flags else torch.zeros((), device=ref.device)
+
+    def share(self) -> None:
+        """Starts the exchange of this replica's rows (async): the rows, or with int8 deltas their change since
+        ``agreed`` ([Note: quantized optimizer rows]). Collective: every replica calls it for the same units."""
+        self._take()
+        agreed = self._agreed
+        if agreed is None:
+            raise RuntimeError("MiCS engine: optimizer rows exchanged before the replicas agreed on them")
+        self._pending_rows = not self.deltas or self._rows_next
+        with torch.no_grad():
+            if self._pending_rows:
+                self._pack_into(agreed, [sp.stepped for sp in self.params])  # its padding stays zero
+                self._pending = C.all_gather_flat(agreed[:self.offsets[-1]], self.group, self.r, async_op=True,
+                                                  log=self.log, group_name="replicate")
+            else:
+                delta = self._pack([sp.stepped for sp in self.params], agreed.dtype, agreed.device, self.row)
+                delta.sub_(agreed)
+                own = torch.empty_like(delta)  # this replica's change as every replica dequantizes it
+                self._pending = Q.quantized_all_gather(delta, self.group, self.r, self.quantize.block_size, own=own,
+                                                       residual=self._residual().reduced, async_op=True,
+                                                       log=self.log, group_name="replicate", kernels=self.kernels)
+                agreed.add_(own)  # the rows every replica will hold: the others add the same bits in ``_take``
+                for sp, o in zip(self.params, self.offsets):
+                    sp.stepped.view(-1).copy_(agreed[o:o + sp.stepped.numel()])
+        self.stale = self._rows_next = False
+
+    def settle(self) -> None:
+        """Before the chunks are read: the other replicas' rows are in. A stale unit exchanges first (collective;
+        ``stale`` is set alike on every rank)."""
+        if self.stale:
+            self.share()
+        self._take()
+
+    def _take(self) -> None:
+        """Waits for the exchange in flight, if any, and writes the other replicas' rows into the chunks (with
+        int8 deltas: adds their change to them)."""
+        res, self._pending = self._pending, None
+        if res is None:
+            return
+        out = C.gathered(res, self.log)
+        with torch.no_grad():
+            for sp, o in zip(self.params, self.offsets):
+                for j in range(self.r):
+                    lo, hi = sp.rows.sub_rows(j)
+                    if hi == lo or j == sp.rows.replica:
+                        continue
+                    rows, got = sp.local[lo:hi].view(-1), out[j, o:o + (hi - lo) * sp.rows.rest]
+                    if self._pending_rows:
+                        rows.copy_(got)
+                    else:
+                        rows.add_(got)
+
+    def buffers(self) -> List[Tensor]:
+        """What this unit's rows keep beside the chunks: ``agreed``, a copy of this replica's rows."""
+        return [self._agreed] if self._agreed is not None else []
+
+    def drop(self, deadline: float = 0.0) -> None:
+        """Local reset after a failure, no collective issued: the exchange in flight is given until ``deadline``
+        (``time.monotonic()``) to complete and is taken if it did; the rows are due next ([Note: rows when a run
+        ends]). The error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
+        work = self._pending.work if self._pending is not None else None
+        while work is not None and not work.is_completed() and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+        if self._pending is not None and (work is None or work.is_completed()):
+            self._take()
+        self._pending = None
+        self.stale = self._rows_next = True
+
+    # -- optimizer state ---------------------------------------------------------------------------------------
+    def chunks(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype,
+               device: torch.device) -> List[Optional[Tensor]]:
+        """Whole chunks (the shard group's rows) of per-parameter optimizer-state rows (``None``: no such
+        tensor): an all-gather over the replica group. Collective; every replica passes the same Nones."""
+        out = C.gathered(self._gather(locals_, dtype, device, async_op=False), self.log)
+        fulls = [torch.empty(sp.rows.local_rows, *sp.shape[1:], dtype=dtype, device=device) for sp in self.params]
+        C.copy_out(out, fulls, self.r, "torch")
+        return [f if t is not None else None for f, t in zip(fulls, locals_)]
+
+
+def exchange(units: Sequence[OptimizerRows]) -> None:
+    """[Note: rows between steps]: starts the exchange of every unit whose rows changed since the replicas agreed
+    on them, the stale ones and those a replica finds written. Collective over the replica group."""
+    if not units:
+        return
+    check = [u for u in units if not u.stale]
+    if check:
+        flags = torch.stack([u.changed() for u in check])
+        C.all_reduce_sum(flags, units[0].group, log=units[0].log, group_name="replicate")
+        for u, f in zip(check, flags.tolist()):  # one host read for every unit ([Note: host reads per step])
+            u.stale = u.stale or f > 0
+    for u in units:
+        if u.stale:
+            u.share()
