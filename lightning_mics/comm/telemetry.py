@@ -34,8 +34,10 @@ class CommLog:
 
     def __init__(self, device: Optional[torch.device] = None) -> None:
         self._window: Dict[Tuple[str, str], list] = defaultdict(lambda: [0, 0])
-        self.gathered_elements = 0
+        self.gathered_elements = 0  # the full parameters of the units gathered or gathering
         self.gathered_peak = 0
+        self.live_elements = 0  # what the live cap counts: those units' buffers ([Note: live cap] in schedule.py)
+        self.live_peak = 0
         self.wait_seconds = 0.0
         self.device = device  # where the waits stall: CUDA events there, else host time
         self._events: List[Tuple[Any, Any]] = []  # (start, end) around waits on CUDA, not read yet
@@ -85,8 +87,12 @@ class CommLog:
                 left.append((start, end))
         self._events = left
 
-    def live(self, delta_elements: int) -> None:
-        self.gathered_elements += delta_elements
+    def live(self, delta_elements: int, delta_gathered: int) -> None:
+        """A unit's count under the live cap changed by ``delta_elements`` (its gather's buffers, its full storage),
+        and the full parameters it holds gathered (or gathering) by ``delta_gathered``."""
+        self.live_elements += delta_elements
+        self.live_peak = max(self.live_peak, self.live_elements)
+        self.gathered_elements += delta_gathered
         self.gathered_peak = max(self.gathered_peak, self.gathered_elements)
 
     def step_summary(self, reset: bool = True) -> Dict[str, float]:
@@ -95,7 +101,8 @@ class CommLog:
         for (op, group), (calls, nbytes) in sorted(self._window.items()):
             out[f"comm/{op}/{group}/bytes"] = float(nbytes)
             out[f"comm/{op}/{group}/calls"] = float(calls)
-        out["mem/gathered_elements_peak"] = float(self.gathered_peak)
+        out["mem/gathered_elements_peak"] = float(self.gathered_peak)  # full parameters, as the planner predicts
+        out["mem/live_elements_peak"] = float(self.live_peak)  # with the gathers' buffers: what the cap holds
         self._read_events()
         out["time/comm_wait_s"] = float(self.wait_seconds)  # [Note: time waiting on communication]
         out["mem/saved_for_backward_bytes"] = float(self.saved_bytes)
@@ -103,6 +110,7 @@ class CommLog:
         if reset:
             self._window.clear()
             self.gathered_peak = self.gathered_elements
+            self.live_peak = self.live_elements
             self.wait_seconds = 0.0
             self.saved_bytes = self.offloaded_bytes = 0
         return out

@@ -29,8 +29,9 @@ AnyParam = Union[ShardedParam, ReplicatedParam]
 def _weak_hook(fn: Callable, arg: Any = None) -> Callable[[Tensor], None]:
     """A post-accumulate-grad hook that calls ``fn(tensor)`` (or ``fn(arg)``) through weak references. Autograd
     keeps a tensor's hooks from C++, where Python's gc cannot see them: a hook holding its unit (and through it
-    the hooks, the engine and the module) would keep all of them alive to the end of the process ([Note: engines
-    beside their modules] in frontends/shared.py). The unit holds ``fn``, and the module's hooks hold the unit."""
+    the hooks, the engine and the module) would keep all of them alive to the end of the process
+    ([Note: engines beside their modules] in frontends/shared.py). The unit holds ``fn``, and the module's hooks hold
+    the unit."""
     fn_ref = weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
     arg_ref = None if arg is None else weakref.ref(arg)
 
@@ -77,8 +78,8 @@ class Unit:
                  nodes: Optional[C.NodeGroups] = None, pinned: bool = False,
                  quantize: Optional[Q.QuantizeSpec] = None, optimizer_over_replicas: bool = False,
                  lends: bool = False) -> None:
-        """``lends``: the unit may stay gathered while user code runs (the root, a pinned unit): [Note: masters moved
-        outside a step] in lent.py."""
+        """``lends``: the unit may stay gathered while user code runs (the root, a pinned unit):
+        [Note: masters moved outside a step] in lent.py."""
         self.path = plan.path or "<root>"
         self.quantize = quantize or Q.QuantizeSpec()  # quantize_allgather: the two-hop gather's first hop in int8
         self.module = plan.module
@@ -173,7 +174,8 @@ class Unit:
         return self._live
 
     def _set_live(self, numel: int) -> None:
-        self.log.live(numel - self._live)
+        gathered = self.full_numel if numel else 0  # the full parameters, from the gather's issue to the release
+        self.log.live(numel - self._live, gathered - (self.full_numel if self._live else 0))
         self._live = numel
 
     @property
@@ -331,8 +333,8 @@ class Unit:
             return
         if (self.pinned or self.exposed) and not stale:
             self.take_writes()  # plain parameters that user code could write, into the masters
-        if self._gather is not None:  # a prefetch never used: waited for, both hops issued ([Note: chained
-            C.wait(self._gather.work, self.log)  # collectives]); alike on every rank: the same events decide it
+        if self._gather is not None:  # a prefetch never used, both hops issued ([Note: chained collectives])
+            C.wait(self._gather.work, self.log)  # waited for alike on every rank: the same events decide it
             self._gather = None
         self._swap_sharded()
         self.storage.release()  # or the last reduce-scatter reading it frees it ([Note: staging in place])
@@ -369,8 +371,8 @@ class Unit:
 
     @property
     def behind(self) -> bool:
-        """Whether the masters may have moved since the plain parameters were filled ([Note: masters moved outside
-        a step] in lent.py)."""
+        """Whether the masters may have moved since the plain parameters were filled
+        ([Note: masters moved outside a step] in lent.py)."""
         return self.state is ShardedState.GATHERED and self.lent.behind
 
     def written_in_place(self) -> bool:

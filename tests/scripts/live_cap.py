@@ -44,7 +44,7 @@ class Sample(TorchDispatchMode):
         self.meter.peak_bytes = 0
         self.meter.sample()
         measured, self.meter.peak_bytes = self.meter.peak_bytes, max(before, self.meter.peak_bytes)
-        counted = 4 * self.log.gathered_elements
+        counted = 4 * self.log.live_elements
         self.out["over"] = max(self.out["over"], measured - counted)
         self.out["measured_peak"] = max(self.out["measured_peak"], measured)
         self.out["counted_peak"] = max(self.out["counted_peak"], counted)
@@ -71,7 +71,7 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.mode.__exit__(None, None, None)
         stats = trainer.strategy.comm_stats  # set at each optimizer step
-        self.out["stats_peak"] = max(self.out["stats_peak"], stats.get("mem/gathered_elements_peak", 0))
+        self.out["stats_peak"] = max(self.out["stats_peak"], stats.get("mem/live_elements_peak", 0))
 
 
 def main():
