@@ -37,13 +37,19 @@ def _binary_folder(d: Path) -> str:
     return "blobs"
 
 
+def _binary_file(d: Path) -> str:
+    (d / "model.bin").write_bytes(b"PK\x03\x04\x00\x00" + bytes(range(256)) * 400)  # a zip/torch.save archive's start
+    return "model.bin"
+
+
 def _small_file(d: Path) -> str:
     (d / "note.txt").write_text("a few words of text\n" * 50)  # 1000 bytes: less than 9 pieces + one block
     return "note.txt"
 
 
 CORPUS: Dict[str, Callable[[Path], str]] = {"empty_file": _empty_file, "empty_folder": _empty_folder,
-                                            "binary_folder": _binary_folder, "small_file": _small_file}
+                                            "binary_folder": _binary_folder, "binary_file": _binary_file,
+                                            "small_file": _small_file}
 
 CASES = [
     # (override, what the message must say)
@@ -51,6 +57,8 @@ CASES = [
     ("data.path={empty_file}", ["data.path='empty.txt'", "empty file", "Give a file with text"]),
     ("data.path={empty_folder}", ["data.path='texts'", "empty folder", "Put text files in it"]),
     ("data.path={binary_folder}", ["data.path='blobs'", "2 files", "all binary", "a.bin, b.pt"]),
+    ("data.path={binary_file}", ["data.path='model.bin' is a binary file (a NUL byte in its first 8 KiB, 102406 "
+                                 "bytes)", "point data.path at a text file, or at a folder of text files"]),
     ("data.path={small_file}", ["data.path='note.txt'", "1000 bytes", "too small to split", "data.piece_bytes=",
                                 "needs at least 147489 bytes"]),
     ("data.path=~/my_texts", ["data.path=~/my_texts", "Write data.path=$HOME/my_texts"]),

@@ -62,6 +62,7 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path: Path, variant: str)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "dataloader is not resumable" not in out  # Lightning's warning is wrong for this loader and is silenced
+    assert "[lr]" not in out  # the same schedule as the checkpoint's: nothing to say ([Note: the schedule on resume])
     report = json.loads((resumed / "report.json").read_text())
     assert report["start_step"] == 5 and report["steps"] == 12
     assert report["resumed_from"] == f"{whole}/checkpoints/epoch=0-step=5.ckpt"
@@ -107,6 +108,8 @@ def test_ctrl_c_stops_saves_reports_and_exits_130(tmp_path: Path, target: str) -
     assert _state(run_dir / "checkpoints" / "last.ckpt")["global_step"].item() == step  # loadable, at the stop step
     assert "[Ctrl-C] stopping after this optimizer step" in out
     assert f"[report] stopped by Ctrl-C (SIGINT) after optimizer step {step}" in out
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert f"[checkpoint] optimizer step {step} saved in {last}; continue with ckpt_path={last}\n" in out, out[-3000:]
     if target != "process group":
         return
     resumed = tmp_path / "resumed"

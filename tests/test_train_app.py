@@ -134,15 +134,17 @@ def test_main_job_compiled_blocks(tmp_path: Path) -> None:
     [
         ("strategy.no_such_option=1", "no_such_option"),
         ("strategy.prefetch=abc", "strategy.prefetch"),
-        ("model.n_layr=3", "n_layr"),
+        ("model.n_layr=3", "model.n_layr=3: the config has no key model.n_layr; did you mean model.n_layer=3?"),
     ],
 )
 def test_bad_override_fails_at_compose(tmp_path: Path, override: str, message: str) -> None:
-    """(Forked from the preloaded server, as in test_app_checks.py: the answer is what is checked.)"""
+    """(Forked from the preloaded server, as in test_app_checks.py: the answer is what is checked.) A misspelled
+    key is answered with the key meant, instead of Hydra's advice to add it with + ([Note: did you mean])."""
     proc = run_app_forked([override, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"],
                           cwd=tmp_path, timeout=60)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
+    assert "To append to your config use +model.n_layr" not in proc.stderr
     assert not (tmp_path / "run" / "csv").exists()  # nothing ran
 
 
@@ -153,13 +155,17 @@ def test_sharding_degree_must_divide_world(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "ValueError" in proc.stderr and "sharded_data_parallel_degree" in proc.stderr, proc.stderr[-3000:]
     assert "Initializing distributed" not in proc.stdout + proc.stderr
+    # and the job's log holds the error, with its traceback, not only the lines before it
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "the job failed:\nTraceback" in log and "sharded_data_parallel_degree=3 is invalid" in log, log[-3000:]
 
 
 def test_help_lists_only_real_choices(tmp_path: Path) -> None:
-    """The schemas live outside the config groups, so ``--help`` offers only configs a user can pick."""
+    """The schemas live outside the config groups, so ``--help`` offers only configs a user can pick (what it says
+    of each key: test_app_first_use.py)."""
     proc = _run(["--help"], cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    groups = proc.stdout.split("== Configuration groups ==")[1].split("== Keys ==")[0]
     assert "strategy: ddp, mics" in groups and "trainer: cpu, gpu" in groups and "model: gpt" in groups, groups
     assert "schema" not in groups, groups
 

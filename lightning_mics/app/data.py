@@ -11,15 +11,17 @@ corpus rather than its first and last files. Each split is then served as fixed-
 every ``block_size`` bytes so that every byte is a target once.
 
 The corpus is listed and checked when the module is built (in the main job: before any rank starts): a missing
-path, an empty file or folder, a folder of binary files only, or too little text for the split each raise
-:class:`CorpusError` naming ``data.path``, what was found there and the fix. A resumed fit continues mid-epoch
-at the batch it stopped on ([Note: resuming the data]).
+path, an empty file or folder, a binary file or a folder of binary files only, or too little text for the split
+each raise :class:`CorpusError` naming ``data.path``, what was found there and the fix. ``setup`` logs, on rank 0,
+one ``[data]`` line: the bytes and files read, from where, whether ``data.max_bytes`` cut the corpus, and the
+split. A resumed fit continues mid-epoch at the batch it stopped on ([Note: resuming the data]).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import itertools
+import logging
 import os
 import sysconfig
 import warnings
@@ -31,6 +33,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+_log = logging.getLogger("lightning_mics.app")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
 
 
@@ -68,12 +71,30 @@ class Corpus:
     files: Tuple[Path, ...]
     nbytes: int
     source: str  # for the report and the messages
+    available: int = 0  # bytes of every file the path and glob select (binary ones included)
+    matching: int = 0  # files the path and glob select
+    binary: int = 0  # of those looked at, the binary ones left out
+    cut: bool = False  # data.max_bytes left text out (a file read in part, or files not read)
+    pattern: Optional[str] = None  # the glob, for a folder
+    root: str = ""  # the folder
+
+    def describe(self, max_bytes: int) -> str:
+        """What was read: bytes, files, from where, and whether ``data.max_bytes`` cut it."""
+        where = (f"{self.files[0].absolute()}" if self.pattern is None else
+                 f"{_files(len(self.files))} under {Path(self.root).absolute()} matching {self.pattern!r}")
+        skipped = f", {self.binary} binary file{'s' * (self.binary != 1)} left out" if self.binary else ""
+        if self.cut:
+            held = f"its {self.available:,} bytes" if self.pattern is None else \
+                f"{self.matching:,} matching files, {self.available:,} bytes"
+            how = f"cut by data.max_bytes={max_bytes} (of {held}{skipped})"
+        else:
+            how = f"all of it, under data.max_bytes={max_bytes}{skipped}"
+        return f"read {self.nbytes:,} bytes from {where}: {how}"
 
 
 def find_corpus(path: Optional[str], glob: Optional[str], max_bytes: int) -> Corpus:
-    """Lists the corpus without reading it; raises :class:`CorpusError` for a missing path, an empty file, an
-    empty folder, a folder with no file matching ``glob``, or one whose matching files are all binary. A single
-    file is taken as it is (binary or not): it was named explicitly."""
+    """Lists the corpus without reading it; raises :class:`CorpusError` for a missing path, an empty or binary
+    file, an empty folder, a folder with no file matching ``glob``, or one whose matching files are all binary."""
     root = stdlib_dir() if path is None else Path(os.path.expanduser(path))
     key = f"data.path={path!r}" if path is not None else f"data.path=null (the standard library, {root})"
     if not root.exists():
@@ -84,7 +105,10 @@ def find_corpus(path: Optional[str], glob: Optional[str], max_bytes: int) -> Cor
         if size == 0:
             raise CorpusError(f"{key} is an empty file (0 bytes). Give a file with text in it, or a folder of text "
                               f"files.")
-        return Corpus((root,), min(size, max_bytes), str(root))
+        if not _is_text(root):
+            raise CorpusError(f"{key} is a binary file (a NUL byte in its first 8 KiB, {size} bytes). The corpus "
+                              f"is read as text: point data.path at a text file, or at a folder of text files.")
+        return Corpus((root,), min(size, max_bytes), str(root), available=size, matching=1, cut=size > max_bytes)
     everything = _all_files(root)
     if not everything:
         raise CorpusError(f"{key} is an empty folder (no files under {root}). Put text files in it, or point "
@@ -94,19 +118,26 @@ def find_corpus(path: Optional[str], glob: Optional[str], max_bytes: int) -> Cor
     if not matching:
         raise CorpusError(f"{key} holds {_files(len(everything))}, none matching data.glob={pattern!r} (e.g. "
                           f"{everything[0].name}). Set data.glob to a pattern that matches them, such as '*.txt'.")
-    files, total = [], 0
+    files, total, binary, examined = [], 0, 0, 0
     for p in matching:
         if total >= max_bytes:
             break
+        examined += 1
+        size = p.stat().st_size
         if _is_text(p):
             files.append(p)
-            total += min(p.stat().st_size, max_bytes - total)
+            total += min(size, max_bytes - total)
+        else:
+            binary += 1
     if not files:
         names = ", ".join(p.name for p in matching[:3]) + (", ..." if len(matching) > 3 else "")
         raise CorpusError(f"{key} holds {_files(len(matching))} matching {pattern!r}, all binary (a NUL byte in their "
                           f"first 8 KiB: {names}). The corpus is read as text: point data.path at text files, or "
                           f"select them with data.glob.")
-    return Corpus(tuple(files), total, f"{root} ({len(files)} files)")
+    available = sum(p.stat().st_size for p in matching)
+    cut = examined < len(matching) or sum(p.stat().st_size for p in files) > total
+    return Corpus(tuple(files), total, f"{root} ({len(files)} files)", available=available, matching=len(matching),
+                  binary=binary, cut=cut, pattern=pattern, root=str(root))
 
 
 def read_corpus(corpus: Corpus) -> bytes:
@@ -220,6 +251,7 @@ class ByteCorpusDataModule(L.LightningDataModule):
         self.corpus = find_corpus(path, glob, max_bytes)
         check_split(self.corpus, path, block_size, val_fraction, piece_bytes, max_bytes)
         self.source = self.corpus.source
+        self.summary: Optional[str] = None  # what was read and how it was split, after setup
         self.train_set: Optional[ByteBlocks] = None
         self.val_set: Optional[ByteBlocks] = None
 
@@ -231,6 +263,16 @@ class ByteCorpusDataModule(L.LightningDataModule):
         train, val = split_pieces(data, hp.val_fraction, hp.piece_bytes)
         self.train_set = ByteBlocks(train, hp.block_size)
         self.val_set = ByteBlocks(val, hp.block_size, hp.max_val_blocks)
+        every = max(2, round(1.0 / hp.val_fraction))
+        whole_val = (val.numel() - 1) // hp.block_size
+        kept = f"{len(self.val_set):,} of {whole_val:,} blocks, data.max_val_blocks={hp.max_val_blocks}" \
+            if len(self.val_set) < whole_val else f"{whole_val:,} blocks"
+        self.summary = (f"{self.corpus.describe(hp.max_bytes)}; split in pieces of data.piece_bytes={hp.piece_bytes}, "
+                        f"every {every}th to validation (data.val_fraction={hp.val_fraction:g}): {train.numel():,} "
+                        f"bytes for training ({len(self.train_set):,} blocks of {hp.block_size + 1} bytes), "
+                        f"{val.numel():,} for validation ({kept})")
+        if self.trainer is None or self.trainer.is_global_zero:
+            _log.info(f"[data] {self.summary}")
 
     def _loader_kwargs(self) -> Dict[str, Any]:
         workers = self.hparams.num_workers

@@ -9,6 +9,7 @@
     lightning-mics-train ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt   # resume, into a new folder
     lightning-mics-train -m strategy.sharded_data_parallel_degree=1,2 trainer.devices=2   # sweep + comparison
     lightning-mics-train --cfg job                         # print the composed config and exit
+    lightning-mics-train --help                            # every key with what it means (help.py)
     lightning-mics-train --config-dir my_conf model=my_model data=my_data   # your own config groups
 
 Configs live in ``conf/`` at the repository root; the wheel installs that folder as the package
@@ -21,11 +22,15 @@ working folder: ``train.log``, ``csv/metrics.csv``, ``checkpoints/last.ckpt`` (e
 ``callbacks.checkpoint.every_n_train_steps`` optimizer steps and at the end), ``report.json``, ``report.md`` and
 ``loss.png``; a sweep adds ``sweep.md`` and ``sweep.png`` comparing its jobs.
 
-Before any rank starts, the job checks what it was given and stops with one message naming the key: types
-(Hydra's structured configs, [Note: config schemas] in ``schema.py``), the corpus (``data.py``), ``ckpt_path``, the
-run folder. Ctrl-C stops every rank after the same optimizer step, saves ``last.ckpt`` and the report, and exits
-with status 130 ([Note: Ctrl-C] in ``callbacks.py``); ``ckpt_path=`` continues from that checkpoint, with the same
-batches an uninterrupted run would have seen ([Note: resuming the data] in ``data.py``).
+Before any rank starts, the job checks what it was given and stops with one message naming the key: a misspelled key
+with the key meant ([Note: did you mean] in ``keys.py``), types (Hydra's structured configs, [Note: config schemas]
+in ``schema.py``), the corpus (``data.py``), ``ckpt_path``, the run folder. Rank 0 says what corpus it read and how
+it split it (``[data]``), and at every end of training where the last checkpoint is and how to continue from it
+(``[checkpoint]``). Ctrl-C stops every rank after the same optimizer step, saves ``last.ckpt`` and the report, and
+exits with status 130 ([Note: Ctrl-C] in ``callbacks.py``); ``ckpt_path=`` continues from that checkpoint, with the
+same batches an uninterrupted run would have seen ([Note: resuming the data] in ``data.py``) and this run's
+learning-rate schedule ([Note: the schedule on resume] in ``models/lit_gpt.py``). An error that ends a job after it
+started goes, with its traceback, into each rank's own log file (``train.log`` on rank 0) as well as to the console.
 
 [Note: ranks under Hydra]
 Lightning's ``_SubprocessScriptLauncher`` starts ranks 1..n-1 by re-running this command with
@@ -37,13 +42,14 @@ folder; after the job it releases the job's process groups and restores the envi
 (``LOCAL_RANK`` left behind would make the next job believe its processes were launched externally).
 
 [Note: every rank releases its groups]
-A process that exits with a gloo group alive can abort in the interpreter's finalization (status -6, [Note: groups
-at exit] in ``topology.py``). The MiCS strategy guards its own ranks; the app guards every rank of every strategy
-it runs, DDP included, because an abort there is fatal to the job: Lightning's launcher watches ranks 1..n-1 from
-rank 0 and, when one exits with a non-zero status, kills every rank, rank 0 too. A job that trained to the end then
-fails, and under ``-m`` the next job's rank 1, already started, waits for a rank 0 that is gone (a fresh-clone CI
-run of the DDP-and-MiCS sweep hung that way after a DDP rank 1 printed "terminate called"). So ``_run`` registers
-the release at exit on every rank, and rank 0 of a multirun job releases the job's groups before the next job.
+A process that exits with a gloo group alive can abort in the interpreter's finalization (status -6,
+[Note: groups at exit] in ``topology.py``). The MiCS strategy guards its own ranks; the app guards every rank of
+every strategy it runs, DDP included, because an abort there is fatal to the job: Lightning's launcher watches ranks
+1..n-1 from rank 0 and, when one exits with a non-zero status, kills every rank, rank 0 too. A job that trained to
+the end then fails, and under ``-m`` the next job's rank 1, already started, waits for a rank 0 that is gone (a
+fresh-clone CI run of the DDP-and-MiCS sweep hung that way after a DDP rank 1 printed "terminate called"). So
+``_run`` registers the release at exit on every rank, and rank 0 of a multirun job releases the job's groups before
+the next job.
 """
 
 from __future__ import annotations
@@ -59,8 +65,10 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
+from lightning_mics.app import help as app_help
 from lightning_mics.app import schema
 from lightning_mics.app.data import CorpusError
+from lightning_mics.app.keys import check_keys
 from lightning_mics.app.schema import UsageError
 from lightning_mics.layout.topology import release_all_groups, release_groups_at_exit
 
@@ -68,6 +76,7 @@ from lightning_mics.layout.topology import release_all_groups, release_groups_at
 CONF_MODULE = "lightning_mics.app.conf"
 CONF_PATH = f"pkg://{CONF_MODULE}"
 schema.register()
+app_help.register()  # the resolver of hydra.help.template ([Note: help from the configs] in help.py)
 
 log = logging.getLogger("lightning_mics.app")
 
@@ -169,15 +178,35 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], bool]:
 
     interrupted = stop.stopped_at is not None
     report: Dict[str, Any] = {}
+    last = (checkpoint.last_model_path or None) if checkpoint else None
     if trainer.is_global_zero and cfg.report:
         metrics_csv = os.path.join(logger.log_dir, "metrics.csv") if logger else ""
-        extra = {"output_dir": out_dir, "data": getattr(datamodule, "source", None), "model": cfg.model.get("_target_"),
+        extra = {"output_dir": out_dir, "data": getattr(datamodule, "source", None),
+                 "corpus": getattr(datamodule, "summary", None), "model": cfg.model.get("_target_"),
                  "model_params": sum(p.numel() for p in model.parameters()), "resumed_from": ckpt_path,
-                 "stopped_by": "Ctrl-C (SIGINT)" if interrupted else None,
-                 "last_checkpoint": checkpoint.last_model_path if checkpoint else None}
+                 "stopped_by": "Ctrl-C (SIGINT)" if interrupted else None, "last_checkpoint": last}
         report = write_report(trainer, stats, out_dir, metrics_csv, extra=extra)
         _log_report(report, out_dir)
+    if trainer.is_global_zero:
+        _log_checkpoint(last, checkpoint is not None, trainer.global_step, trainer.max_steps)
     return report, interrupted
+
+
+def _quoted(path: str) -> str:
+    """``path`` as a Hydra override's value: quoted when Hydra's grammar would read a character of it."""
+    if not any(c in path for c in " =,[]{}()'\"\\:$*?"):
+        return path
+    return "'" + path.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _log_checkpoint(last: Optional[str], enabled: bool, step: int, max_steps: int) -> None:
+    """Where the run's last checkpoint is, at every end of training (max_steps, the data's end, Ctrl-C)."""
+    if not last:
+        why = "" if enabled else " (callbacks.checkpoint=null)"
+        log.info(f"[checkpoint] none saved{why}, after optimizer step {step}")
+        return
+    more = f" trainer.max_steps=<more than {step}>" if 0 < max_steps <= step else ""
+    log.info(f"[checkpoint] optimizer step {step} saved in {last}; continue with ckpt_path={_quoted(last)}{more}")
 
 
 def _log_report(report: Dict[str, Any], out_dir: str) -> None:
@@ -186,6 +215,26 @@ def _log_report(report: Dict[str, Any], out_dir: str) -> None:
     lines = [f"[report] {line}" for line in summary_lines(report)]
     lines.append(f"[report] written to {out_dir}/{', '.join(report['files'])}")
     log.info("\n".join(lines))
+
+
+def _log_failure(error: BaseException) -> None:
+    """The error that ends the job, into this rank's log file (``train.log`` on rank 0) only: Hydra prints it on
+    the console itself. A mistake found before training (:class:`UsageError`) as its one message; anything else
+    with its traceback."""
+    if isinstance(error, SystemExit):  # Lightning's after a second Ctrl-C (its own message is logged already)
+        if error.code in (0, None):
+            return
+        text, exc_info = f"the job stopped with exit status {error.code}", None
+    elif isinstance(error, UsageError):
+        text, exc_info = f"the job stopped: {error}", None
+    elif isinstance(error, KeyboardInterrupt):
+        text, exc_info = "the job stopped: Ctrl-C", None
+    else:
+        text, exc_info = "the job failed:", (type(error), error, error.__traceback__)
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, exc_info)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def _run(cfg: DictConfig) -> None:
@@ -198,6 +247,9 @@ def _run(cfg: DictConfig) -> None:
         _prepare_multirun_job()
     try:
         _, interrupted = train(cfg)
+    except BaseException as e:
+        _log_failure(e)
+        raise
     finally:
         if launched_here and HydraConfig.get().mode == RunMode.MULTIRUN:
             release_all_groups()
@@ -213,6 +265,7 @@ _hydra_main = hydra.main(config_path=CONF_PATH, config_name="config", version_ba
 def main() -> None:
     """``lightning-mics-train`` (and ``python -m lightning_mics.app.train``): Hydra parses the command line."""
     _check_argv(sys.argv[1:])
+    check_keys(sys.argv[1:], CONF_MODULE)  # [Note: did you mean] in keys.py
     _hydra_main()
 
 

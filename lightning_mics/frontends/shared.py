@@ -22,7 +22,6 @@ left sharded after ``fit`` still finds its engine in the next one (it holds it).
 call their unit through weak references (``unit._weak_hook``): autograd keeps them from C++, where Python's gc
 cannot see them, so a strong one would hold the unit, and through it everything, as a root. Nothing of the
 engine is inside the module but its hooks: a plain module (after ``make_plain``) is picklable again.
-tests/test_lifetime.py reads, through weak references, that a dropped module goes with its engine.
 
 [Note: after fit]
 A model whose parameters fit in ``max_live_parameters`` (elements), without tensor parallelism, is made plain
@@ -193,8 +192,8 @@ def check_checkpoint_io(options: MiCSOptions, io: Any) -> None:
 
 def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, device_type: str) -> Topology:
     """The (replicate, shard[, tp]) mesh for this world. Collective: call after the process group exists.
-    With ``shard_optimizer_state`` and s = 1 the shards go over all W ranks ([Note: optimizer-state-only
-    sharding])."""
+    With ``shard_optimizer_state`` and s = 1 the shards go over all W ranks
+    ([Note: optimizer-state-only sharding])."""
     s = options.validate_world(world_size, ranks_per_node)
     T.release_groups_at_exit()  # [Note: groups at exit] in topology.py
     zero1 = optimizer_state_only(options)  # else: [Note: optimizer rows over replicas] in optimizer_rows.py
@@ -210,8 +209,7 @@ def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, devic
 # ``timeout`` bounds a collective on every group the engine uses, not only on the default group: DeviceMesh
 # creates its sub-groups with torch's default (30 minutes on gloo; 10 on NCCL unless split from a bound default
 # group), so a peer lost while the others wait in a shard or replica collective would hold them that long. Each
-# sub-group of the topology gets the option's value once it exists (tests/test_topology_and_options.py reads it
-# back from every group).
+# sub-group of the topology gets the option's value once it exists.
 
 
 def hierarchical(options: MiCSOptions, topology: Topology, warn: Optional[Callable[[str], None]]) -> bool:
@@ -345,6 +343,13 @@ def log_model_state(engine: MiCSEngine, rank: int, log: logging.Logger) -> None:
     log.info(f"[rank {rank}] MiCS model state on this rank: parameters {held / mib:.2f} MiB "
              f"({held / max(whole, 1):.2f}x of {whole / mib:.2f} MiB unsharded); gradients as much again "
              "in the master dtype, and the optimizer's state k times that (AdamW: k = 2)")
+    sharded = any(u.params for u in engine.units)
+    if rank == 0 and engine.topo.layout.shard_size > 1 and engine.replicated and not sharded:
+        largest = max(rp.global_shape.numel() for rp in engine.replicated)
+        log.warning(f"MiCSStrategy: no parameter is sharded: all {len(engine.replicated)} have fewer elements than "
+                    f"param_persistence_threshold={engine.options.param_persistence_threshold} (the largest has "
+                    f"{largest}), so every rank holds the whole model (1.00x), as with DDP. Give "
+                    f"param_persistence_threshold <= {largest} to shard the largest.")
 
 
 # -- clipping -------------------------------------------------------------------------------------------------

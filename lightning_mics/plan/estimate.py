@@ -35,8 +35,8 @@ in the reduction dtype, counted as gradients; with ``quantize_allgather`` and tw
 n int8 rows of the shard, ``wire_bytes(S, 1, B)`` each. The replicated parameters' world all-reduce stays fp32.
 With ``shard_optimizer_state`` (s > 1) the optimizer rows' reduce-scatter moves the int8 wire of the unit's r
 rows, and with ``"error_feedback"`` their all-gather the int8 deltas, r rows of ``wire_bytes(row, 1, B)``; the
-residuals are then r x row elements in the reduction dtype and a row in the master dtype per unit ([Note:
-quantized optimizer rows] in optimizer_rows.py).
+residuals are then r x row elements in the reduction dtype and a row in the master dtype per unit
+([Note: quantized optimizer rows] in optimizer_rows.py).
 Links: a shard group inside a node uses the intra-node link; one across nodes the inter-node link (two hops:
 the first hop across nodes, the second inside); replica and world all-reduces cross nodes when there are
 several. Time is a ring model without overlap: (k-1)/k of the buffer per rank for all-gather and
@@ -212,8 +212,8 @@ def _feedback_bytes(units: List[_Unit], st: Settings, s: int, reduce: int) -> in
 
 
 def _row(u: _Unit) -> int:
-    """One replica's row of a unit's optimizer rows, padded to a quantized chunk ([Note: quantized optimizer
-    rows] in optimizer_rows.py)."""
+    """One replica's row of a unit's optimizer rows, padded to a quantized chunk
+    ([Note: quantized optimizer rows] in optimizer_rows.py)."""
     return chunk_numel(sum(u.slots))
 
 

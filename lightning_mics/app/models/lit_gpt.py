@@ -7,12 +7,21 @@ name: no weight decay for biases, LayerNorm and embedding weights) under a linea
 decay to ``min_lr_ratio * lr``. With ``compile=True`` each transformer block is ``torch.compile``d in place
 (``Block.compile()``, torchtitan's per-block compile: the parameter names, and so the checkpoints, stay those
 of the eager model; a strategy's module hooks stay outside the compiled graphs).
+
+[Note: the schedule on resume]
+The learning rate follows this run's settings: ``model.lr``, ``model.warmup_steps``, ``model.min_lr_ratio`` and
+the schedule's length, ``trainer.max_steps``. A resumed run whose settings differ from the checkpoint's (say a
+longer ``trainer.max_steps`` to train further) continues on the schedule it would have had from the start with
+these settings, from its first step on (the optimizer's restored learning rate is replaced before it), and the
+rank-0 log says what changed and how the learning rate jumps at the resume step (``[lr] ...``). With the
+checkpoint's own settings nothing changes and the run continues bit for bit.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-from typing import Any, Dict, List, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import lightning as L
 import torch
@@ -20,6 +29,8 @@ import torch.nn as nn
 from torchmetrics.text import Perplexity
 
 from lightning_mics.app.models.gpt import GPT, GPTConfig
+
+_log = logging.getLogger("lightning_mics.app")
 
 
 def no_decay_names(module: nn.Module) -> Set[str]:
@@ -66,6 +77,8 @@ class LitGPT(L.LightningModule):
             for block in self.model.h:
                 block.compile()
         self.val_ppl = Perplexity()
+        self._schedule_steps = 0  # the schedule's length, trainer.max_steps (configure_optimizers)
+        self._resumed: Optional[Dict[str, Any]] = None  # the checkpoint's schedule settings, when resuming
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.model(idx)
@@ -96,8 +109,41 @@ class LitGPT(L.LightningModule):
             {"params": no_decay, "weight_decay": 0.0},
         ]
         optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas))
-        total = int(self.trainer.estimated_stepping_batches)
+        total = self._schedule_steps = int(self.trainer.estimated_stepping_batches)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        checkpoint["lr_schedule_steps"] = self._schedule_steps
+
+    def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
+        hp = checkpoint.get("hyper_parameters", {})
+        self._resumed = {"trainer.max_steps": checkpoint.get("lr_schedule_steps"), "model.lr": hp.get("lr"),
+                         "model.warmup_steps": hp.get("warmup_steps"), "model.min_lr_ratio": hp.get("min_lr_ratio")}
+
+    def on_train_start(self) -> None:
+        """[Note: the schedule on resume]: the restored learning rate replaced by this run's schedule's."""
+        if self._resumed is None:
+            return
+        hp, scheduler = self.hparams, self.lr_schedulers()
+        step = scheduler.last_epoch
+        new = hp.lr * warmup_cosine(step, hp.warmup_steps, self._schedule_steps, hp.min_lr_ratio)
+        old = scheduler.optimizer.param_groups[0]["lr"]
+        if math.isclose(old, new, rel_tol=1e-9, abs_tol=1e-15) and scheduler.base_lrs[0] == hp.lr:
+            return
+        scheduler.base_lrs = [hp.lr] * len(scheduler.base_lrs)
+        for group in scheduler.optimizer.param_groups:
+            group["lr"], group["initial_lr"] = new, hp.lr
+        scheduler._last_lr = [new] * len(scheduler.base_lrs)
+        if self.trainer.is_global_zero:
+            now = {"trainer.max_steps": self._schedule_steps, "model.lr": hp.lr,
+                   "model.warmup_steps": hp.warmup_steps, "model.min_lr_ratio": hp.min_lr_ratio}
+            changed = ", ".join(f"{k} {self._resumed[k]:g} -> {v:g}" for k, v in now.items()
+                                if self._resumed[k] is not None and self._resumed[k] != v)
+            _log.warning(f"[lr] resuming at optimizer step {step} on a learning-rate schedule unlike the checkpoint's "
+                         f"({changed or 'settings not recorded in the checkpoint'}): the learning rate goes from "
+                         f"{old:.3g} (the checkpoint's schedule) to {new:.3g} at this step and follows this run's "
+                         f"warmup + cosine decay to step {self._schedule_steps}. To keep the checkpoint's schedule, "
+                         f"resume with its settings.")
