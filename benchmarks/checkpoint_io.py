@@ -10,7 +10,7 @@ than ``max_live_parameters`` (it stays sharded after fit, as a large model does)
 (median of the repetitions, the slowest rank); peak host memory is the rise of the process's resident set
 (VmHWM, reset through /proc/self/clear_refs before each operation, after malloc_trim) above its size before it,
 the largest over the repetitions. Files go to ``--out`` (default: a folder under /tmp). Prints the table and the
-full/sharded ratios, and writes them into benchmarks/RESULTS.md (section "Checkpoint IO") with the machine and the
+full/sharded ratios, and writes them into benchmarks/LOG.md (section "Checkpoint IO") with the machine and the
 command.
 """
 
@@ -168,7 +168,7 @@ def report(per_rank, args, command: str, wall: float) -> str:
 
 
 def _write_results(text: str) -> None:
-    path = ROOT / "benchmarks" / "RESULTS.md"
+    path = ROOT / "benchmarks" / "LOG.md"
     old = path.read_text() if path.exists() else "# Benchmark results\n"
     if SECTION in old:
         start = old.index(SECTION)
@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=704)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="folder for the checkpoints (default: a new one under /tmp)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave RESULTS.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave LOG.md alone")
     args = ap.parse_args()
     if "RANK" in os.environ:  # a worker started by the launcher below
         worker(args)

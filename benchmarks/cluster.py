@@ -1,4 +1,4 @@
-"""Where MiCS is meant to win: two hosts over a slow link, every peer through Lightning's Trainer (issue 34).
+"""Where MiCS is meant to win: two hosts over a slow link, every peer through Lightning's Trainer.
 
     sudo .venv/bin/python benchmarks/cluster.py --rates 100 400 0 --accum 1 4 --rounds 2 --steps 3
     python benchmarks/cluster.py --report benchmarks/out/cluster/<run>     # the table and plot again, no run
@@ -23,8 +23,8 @@ Per case, rate and accumulation, one JSON line on stdout (and in ``rows.jsonl``)
                   the last step while all ranks wait: the timed window's mean per step (median over runs)
   floor_s         link_bytes / rate: the step time if the link were busy all the time and nothing else took any
   ar_wait_s       time a rank is blocked on all-reduces whose group spans both hosts, per step (mean over ranks,
-                  median over steps); ``comm_wait_s`` the same over every cross-host collective ([Note: time waiting
-                  on communication] in cluster_rank.py)
+                  median over steps); ``comm_wait_s`` the same over every cross-host collective
+                  ([Note: the benchmark's communication clock] in cluster_rank.py)
   counted         bytes and calls per collective and scope, per step, as issued (rank 0); ``telemetry`` the MiCS
                   strategy's own ``comm_stats`` of the last step (rank 0)
   probe_mbit      what one TCP stream gets through the shaped link; ``load1`` the 1-minute load average before

@@ -22,7 +22,7 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
                   change in int8 blocks ([Note: quantized optimizer rows] in lightning_mics/engine/optimizer_rows.py)
 The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
 
-[Note: time waiting on communication]
+[Note: the benchmark's communication clock]
 ``CommClock`` wraps the ``torch.distributed`` collectives that DDP's hook, FSDP2 and the MiCS engine call
 (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single``, ``all_gather_into_tensor``,
 ``reduce_scatter_tensor``, and ``all_to_all_single`` of the int8 all-reduce) and ``Work.wait``: per collective and scope (``cross``: its group spans both hosts,
@@ -65,7 +65,7 @@ _WRAPPED = {"all_reduce": 0, "all_gather_single": 0, "all_gather_into_tensor": 0
 
 
 class CommClock:
-    """Counts and times collectives per ``op/scope`` ([Note: time waiting on communication])."""
+    """Counts and times collectives per ``op/scope`` ([Note: the benchmark's communication clock])."""
 
     def __init__(self, ranks_per_host: int = RANKS_PER_HOST, timeline: bool = False) -> None:
         self.ranks_per_host = ranks_per_host

@@ -6,7 +6,7 @@ variant, not the run).
 
 Why: two ranks on one GPU cannot use NCCL (one rank per GPU), so `gpu_checks.py`'s `two_triton` / `two_torch`
 run the engine over gloo on CUDA tensors, and on torch 2.11 both die with a segfault in ``gloo::allgather``
-copying from a device address (benchmarks/RESULTS.md, "Not run: two ranks on the one GPU"). Gloo stages a CUDA
+copying from a device address (benchmarks/LOG.md, "Not run: two ranks on the one GPU"). Gloo stages a CUDA
 all-gather through pinned host memory (``AsyncAllgatherCUDAWork``); its coalesced all-gather has no CUDA path and
 hands gloo the device pointers (pytorch/pytorch#152645), and torch's functional all-gather, which DTensor's
 redistribution uses, goes through the coalesced one. On an H200 (2026-11-28) the engine's own calls passed on the

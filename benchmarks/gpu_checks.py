@@ -22,12 +22,12 @@ GPT in fp32, so "the same arithmetic" reads as a difference of 0 rather than as 
   the collectives; ``num_nodes=2`` gives each process the device), s = 2, so parameters and gradients go
   through bucket copies: the Triton kernels (their descriptor-table lookups counted) and torch's copies. A probe
   first checks that gloo runs the three collectives on CUDA tensors. On torch 2.11 the probe passes but gloo's
-  allgather then segfaults on the engine's CUDA buckets (benchmarks/RESULTS.md): these two run on CPU only.
+  allgather then segfaults on the engine's CUDA buckets (benchmarks/LOG.md): these two run on CPU only.
 
 Then speed and memory, not deterministic: GPT-2 124M under ``bf16-mixed``, MiCS without checkpointing, with
 it, and with grouped offloaded checkpointing (step ms, peak allocated GB). At 8 sequences per step that step is
 bound by the host, and the same case moved by up to 50% from one process to the next on an H200
-(benchmarks/RESULTS.md): ``--rounds R`` runs the speed cases R times, interleaved, and reports each case's median
+(benchmarks/LOG.md): ``--rounds R`` runs the speed cases R times, interleaved, and reports each case's median
 with every round; ``--batch`` sets the sequences per step (a larger one makes the step the GPU's). Prints one JSON
 line per case (and round) and writes them all to ``<out>/gpu_checks.json``.
 

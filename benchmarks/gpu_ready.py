@@ -54,7 +54,7 @@ nothing, ``offload_dropout``, ``sync_debug`` and ``table_builds``; the timed one
   way; (3) ``one``: one process on NCCL, s = 1 layouts whose CUDA streams need no peer (s = 1, ZeRO-1, grouped
   checkpointing with offload on its side stream, fp32 and bf16-mixed; Trainer and Fabric), prompt only (its figure:
   each layout's largest difference from the same front end and precision's s = 1 run). One GPU
-  gives NCCL one rank, and gloo on CUDA tensors segfaults in the engine's gathers (benchmarks/RESULTS.md), so in
+  gives NCCL one rank, and gloo on CUDA tensors segfaults in the engine's gathers (benchmarks/LOG.md), so in
   (1) and (2) the model and every kernel are on the GPU and each collective runs over gloo on host copies:
   ``HostCollectives`` below, a dispatch mode of this script (the engine has no such path) copies the tensors to the
   host at issue (a synchronizing copy on the issuing stream) and the results back at ``wait()`` on the waiting

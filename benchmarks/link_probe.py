@@ -1,4 +1,4 @@
-"""What TCP gets through the shaped veth in the patterns the strategies use (issue 34).
+"""What TCP gets through the shaped veth in the patterns the strategies use.
 
     python benchmarks/link_probe.py --rate 100 --mbytes 71.5
 

@@ -1,4 +1,4 @@
-"""Two hosts over a shaped link: what the two-hop all-gather and the 2-hop gradient sync save (issue 19, optional).
+"""Two hosts over a shaped link: what the two-hop all-gather and the 2-hop gradient sync save (optional).
 
     sudo python benchmarks/netem.py [--delay-ms 2 --rate-mbit 200 --steps 6]
 
@@ -6,7 +6,7 @@ Two network namespaces joined by a veth pair act as two hosts of 2 ranks each (a
 private /30 addresses that exist only between the two namespaces, deleted at the end whatever happens).
 ``torchrun --nnodes 2 --nproc-per-node 2`` starts the ranks; gloo binds to the veth, so every byte between the
 hosts crosses it. The link is measured as it is, then shaped on both ends with ``tc netem`` (delay and rate), or
-where the kernel has no netem qdisc (as on the machine of benchmarks/RESULTS.md) with ``tc tbf`` (rate only).
+where the kernel has no netem qdisc (as on the machine of benchmarks/LOG.md) with ``tc tbf`` (rate only).
 
 Cases, all with accumulation 4 and every parameter sharded (``param_persistence_threshold=0``):
   s=4 flat        one sharding group over both hosts, the flat all-gather (``hierarchical_allgather=False``)

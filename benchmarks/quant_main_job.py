@@ -1,4 +1,4 @@
-"""The main job with and without int8 replica all-reduce (issue 35): both validation-loss curves in one plot.
+"""The main job with and without int8 replica all-reduce: both validation-loss curves in one plot.
 
     lightning-mics-train strategy.sharded_data_parallel_degree=2 trainer.devices=4                  # fp32
     lightning-mics-train strategy.sharded_data_parallel_degree=2 trainer.devices=4 \\

@@ -1,9 +1,9 @@
 """What holds a step on the shaped link, from the collectives' timeline (``cluster.py --timeline``).
 
 [Note: what holds a step]
-``cluster_rank.py --timeline`` stamps, per rank, every collective's issue, its completion (gloo's future, where
-the Work has one) and its wait, and each optimizer step's end and resume ([Note: time waiting on communication]
-in cluster_rank.py). Per timed step of each rank, from the cross-host collectives of at least ``MIN_BYTES``:
+``cluster_rank.py --timeline`` stamps, per rank, every collective's issue, its completion (gloo's future, where the Work
+has one) and its wait, and each optimizer step's end and resume ([Note: the benchmark's communication clock] in
+cluster_rank.py). Per timed step of each rank, from the cross-host collectives of at least ``MIN_BYTES``:
   before_link_s   from the step's start to the issue of its first cross-host collective: the compute that
                   no overlap can hide from the link (forward, and the backward up to the first unit whose
                   gradients are ready for the replica all-reduce)

@@ -1,7 +1,7 @@
 """Two hosts on one machine for benchmarks: namespaces over a shaped veth, its byte counters read from outside.
 
-Two network namespaces joined by a veth pair (tests/helpers/netns.py, loopback-range addresses: [Note:
-loopback-range hosts] there) act as two hosts. Each namespace holds one idle ``sleep`` process from start to end,
+Two network namespaces joined by a veth pair (tests/helpers/netns.py, loopback-range addresses:
+[Note: loopback-range hosts] there) act as two hosts. Each namespace holds one idle ``sleep`` process from start to end,
 so that the counters of its veth end can be read from the root namespace at any time through
 ``/proc/<pid>/net/dev`` (the same device statistics as ``/sys/class/net/<if>/statistics`` inside the namespace:
 both are ``dev_get_stats``). A veth end's ``tx_bytes`` is what that host sent to the other: every byte between
@@ -20,7 +20,7 @@ all-gathers on the link throughout, against 0.03-0.14 s for ``fsdp2_hsdp`` and `
 three runs at 100 Mbit/s.) The step after the warm-up's handshake runs untimed before the timed ones; its bytes
 count in the window's mean.
 
-The link is shaped on both ends' egress with ``tc tbf`` (rate only; the kernel of benchmarks/RESULTS.md has no
+The link is shaped on both ends' egress with ``tc tbf`` (rate only; the kernel of benchmarks/LOG.md has no
 netem qdisc), so each direction carries at most the rate. :func:`transfer` measures what TCP really gets
 through the shaped link (:func:`probe`: one stream, one way). The namespaces (and with them the veth and its
 qdiscs) are deleted on exit whatever happens.

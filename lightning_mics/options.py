@@ -95,8 +95,8 @@ def check_quantization(quantize_gradients: Any, quantize_allgather: Any, block_s
 
 
 def optimizer_state_only(cfg: Any) -> bool:
-    """``shard_optimizer_state`` with s = 1 (or unset): ZeRO-1 over every rank ([Note: optimizer-state-only
-    sharding] in gradients.py). With s > 1 the option shards the optimizer state over the replicas too."""
+    """``shard_optimizer_state`` with s = 1 (or unset): ZeRO-1 over every rank ([Note: optimizer-state-only sharding] in
+    gradients.py). With s > 1 the option shards the optimizer state over the replicas too."""
     return cfg.shard_optimizer_state and cfg.sharded_data_parallel_degree in (None, 1)
 
 
@@ -250,6 +250,47 @@ class MiCSConfig:
     def freeze(self) -> "MiCSOptions":
         """The validated options as the frozen ``MiCSOptions`` (lists as tuples)."""
         return MiCSOptions(**{name: _frozen(getattr(self, name)) for name in self.names()})
+
+
+# One line per option, for the README's options table (``python docs/options_table.py --write`` regenerates it;
+# tests/test_docs.py keeps it in step). Data only: the checks live in ``MiCSConfig.__post_init__``.
+DESCRIPTIONS: Dict[str, str] = {
+    "sharded_data_parallel_degree": "s: ranks in one sharding group; divides the data-parallel size, "
+                                    "r = W / (s t) replicas. None: ranks per node (1 with shard_optimizer_state)",
+    "hierarchical_allgather": "two-hop parameter all-gather (across nodes, then inside) when a sharding group "
+                              "spans whole nodes. None: wherever that applies",
+    "ranks_per_node": "what counts as a node (simulates nodes on one machine). None: from the cluster environment",
+    "reduce_bucket_size": "elements per gradient communication bucket (reduce-scatter; the replicated "
+                          "parameters' all-reduce takes at most DDP's 25 MiB)",
+    "param_persistence_threshold": "parameters with fewer elements stay whole on every rank, never gathered; "
+                                   "their gradients are all-reduced",
+    "max_live_parameters": "cap on gathered elements alive at once (prefetch waits beyond it); a model under it "
+                           "is plain again after fit",
+    "prefetch": "how many units ahead to all-gather, in the recorded order",
+    "reshard_after_forward": "False: a unit stays gathered from its forward into its backward (one gather per "
+                             "micro-batch instead of two)",
+    "shard_optimizer_state": "optimizer state over all data-parallel ranks: with s = 1 ZeRO-1 (parameters stay "
+                             "whole); with s > 1 each replica steps 1/r of its shard's rows",
+    "tensor_parallel_degree": "t: a \"tp\" mesh axis of t contiguous ranks for the user's parallelize plan",
+    "prescaled_batch": "with t > 1: each tensor-parallel group reads one batch (not one per rank)",
+    "shard_units": "module classes (or dotted names) that form one gather/release unit. None: the blocks of "
+                   "ModuleLists",
+    "activation_checkpointing": "module classes (or dotted names) whose forward is recomputed in backward",
+    "checkpoint_group_size": "k consecutive checkpointed sibling blocks form one segment (one input kept per k)",
+    "activation_offload": "keep the checkpointed segments' inputs in host memory (with activation_checkpointing)",
+    "param_dtype": "dtype of the gathered parameters. None: from the precision (bf16 under bf16-mixed)",
+    "reduce_dtype": "dtype of gradient reduction. None: from the precision (fp32 under the mixed ones)",
+    "kernels": "bucket copies and int8 passes: \"auto\" (Triton on CUDA for large buckets, torch elsewhere), "
+               "\"triton\" or \"torch\"",
+    "state_dict_type": "checkpoints: \"sharded\" (a DCP directory, every rank writes its rows) or \"full\" (one "
+                       "file gathered on rank 0)",
+    "timeout": "seconds (or a datetime.timedelta) a collective may take on every group before the job ends",
+    "stop_on_nonfinite": "every rank raises NonFiniteError at the first non-finite loss or gradient norm",
+    "quantize_gradients": "replica gradient sync in int8 blocks with fp32 sums; \"error_feedback\" carries each "
+                          "rank's rounding into the next step",
+    "quantize_allgather": "the cross-node hop of the two-hop parameter gather in int8 blocks",
+    "quantization_block_size": "elements per fp32 scale of the int8 blocks (1 to 65536)",
+}
 
 
 def _frozen(value: Any) -> Any:

@@ -1,4 +1,4 @@
-"""Activation memory (issue 17): grouped checkpointing and offload measured from outside the strategy, sharded
+"""Activation memory: grouped checkpointing and offload measured from outside the strategy, sharded
 initialization from the meta device, and the refusals. Equivalence of checkpointing and offload with one plain
 process is in test_equivalence.py (every model, every variant)."""
 
@@ -93,7 +93,7 @@ def test_what_checkpointing_keeps_alive(tmp_path):
     the Trainer.
 
     With offload, backward asks each group's host copy back from the hook on the group's output, before its replay
-    takes it (on CUDA that copy runs on a side stream; its time in benchmarks/RESULTS.md), last group first."""
+    takes it (on CUDA that copy runs on a side stream; its time in benchmarks/LOG.md), last group first."""
     ac = {"activation_checkpointing": [GPT_BLOCK]}
     grouped = {**ac, "checkpoint_group_size": 2}
     variants = [{}, ac, grouped, {**grouped, "activation_offload": True}, {**ac, "activation_offload": True}]

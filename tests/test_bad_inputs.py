@@ -1,4 +1,4 @@
-"""The bad-input table (issue 19): every bad strategy option or combination, each as its own real process,
+"""The bad-input table: every bad strategy option or combination, each as its own real process,
 exits non-zero within 60 s with a message naming the option, the value and what is allowed.
 
 Most are refused in ``MiCSStrategy.__init__`` (lightning_mics/options.py: ``MiCSConfig.__post_init__``) or when the

@@ -6,8 +6,8 @@ first one; on gloo when the result is first needed. Without a GPU, ``tests/scrip
 NCCL form on gloo (the host waits for the first collective at issue): the same training must come out bit for bit
 equal to the gloo form, each group must see the same collectives in the same order, and both forms must equal
 their own run with every collective finishing 30 ms late ([Note: late collectives] in
-tests/helpers/late_collectives.py), which a buffer read, written or freed too early would break ([Note: streams
-and buffer lifetime])."""
+tests/helpers/late_collectives.py), which a buffer read, written or freed too early would break
+([Note: streams and buffer lifetime])."""
 
 import json
 from collections import defaultdict

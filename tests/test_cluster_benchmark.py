@@ -1,4 +1,4 @@
-"""benchmarks/cluster.py (issue 34): its plumbing in seconds, and one small real run on two hosts.
+"""benchmarks/cluster.py: its plumbing in seconds, and one small real run on two hosts.
 
 The plumbing tests need nothing but this process: the command line, the arithmetic that turns counter samples
 into bytes per step, the summary and ratios over the runs' records, the table and the plot, the collective clock

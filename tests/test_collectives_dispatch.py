@@ -154,7 +154,7 @@ def test_replicated_gradients_are_reduced_in_buckets_during_backward(tmp_path):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, precision):
-    """[Note: staging in place] in gradients.py: a unit released after its reduce-scatter lays the input out in
+    """[Note: staging in place] in full_storage.py: a unit released after its reduce-scatter lays the input out in
     its own full-parameter storage, which is freed once the collective is done; the root, kept gathered inside
     the accumulation window, stages elsewhere until the boundary. Under bf16-mixed the fp32 input does not fit
     the bf16 storage: every unit stages in a buffer of its own. The result equals one plain process."""

@@ -1,10 +1,10 @@
-"""``torch.compile`` under MiCS (the engine's module hooks run outside the compiled graphs: [Note: hooks under
-torch.compile] in hooks.py): the whole model compiled before ``fabric.setup``, as litgpt's pretraining does, with
-the default schedule, prefetch 2 and keep-gathered, and under the Trainer a compiled submodule or each block
-compiled on its own with ``fullgraph=True`` (torchtitan's pattern: the hooks outside the blocks' graphs), wrapped
-or in place, and torchtitan's recipe with torch's checkpoint wrapper inside each compiled block. Each against DDP
-compiled the same way, on 2 CPU ranks (s = 2); under bf16-mixed too; with activation checkpointing ([Note:
-checkpointing under torch.compile] in activations.py)."""
+"""``torch.compile`` under MiCS (the engine's module hooks run outside the compiled graphs:
+[Note: hooks under torch.compile] in hooks.py): the whole model compiled before ``fabric.setup``, as litgpt's
+pretraining does, with the default schedule, prefetch 2 and keep-gathered, and under the Trainer a compiled submodule or
+each block compiled on its own with ``fullgraph=True`` (torchtitan's pattern: the hooks outside the blocks' graphs),
+wrapped or in place, and torchtitan's recipe with torch's checkpoint wrapper inside each compiled block. Each against
+DDP compiled the same way, on 2 CPU ranks (s = 2); under bf16-mixed too; with activation checkpointing
+([Note: checkpointing under torch.compile] in activations.py)."""
 
 import json
 

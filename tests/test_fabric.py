@@ -1,4 +1,4 @@
-"""MiCS under Lightning Fabric (issue 33): real processes (gloo, CPU), a real ``L.Fabric`` in the usual Fabric
+"""MiCS under Lightning Fabric: real processes (gloo, CPU), a real ``L.Fabric`` in the usual Fabric
 loop, each case against one plain process on the same global batches (``tests/scripts/fabric_loop.py``).
 
 4 ranks: s = 2 and s = 4, accumulation 2 and 4, clipping by norm and by value, SGD and AdamW, the three ways

@@ -20,6 +20,6 @@ def test_trainer_launches_ranks_like_ddp(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]
     assert all(r["world"] == 2 and r["steps"] == 3 for r in results)
-    # after fit: the full state dict on rank 0, {} elsewhere (Lightning's sharded-strategy convention, issue 30)
+    # after fit: the full state dict on rank 0, {} elsewhere (Lightning's sharded-strategy convention)
     assert results[0]["keys"] > 0 and results[1]["keys"] == 0
     assert results[0]["val"] == results[1]["val"]

@@ -1,6 +1,6 @@
-"""The seeds' other layouts (issue 22): optimizer-state-only sharding (s = 1, ZeRO-1), keep-gathered mode
-(``reshard_after_forward=False``), the optimizer's rows over replicas (``shard_optimizer_state`` with s > 1,
-issue 34), and their collectives counted from the dispatcher.
+"""The seeds' other layouts: optimizer-state-only sharding (s = 1, ZeRO-1), keep-gathered mode
+(``reshard_after_forward=False``), the optimizer's rows over replicas (``shard_optimizer_state`` with s > 1),
+and their collectives counted from the dispatcher.
 
 Equivalence against one plain process on the same global batches is in ``tests/scripts/equiv.py`` (rank 0
 trains the reference); the collectives come from a TorchDispatchMode around every training batch.

@@ -1,4 +1,4 @@
-"""What the strategy leaves behind (issue 24): fits with different layouts in one process do not pile up
+"""What the strategy leaves behind: fits with different layouts in one process do not pile up
 process groups, and a layout used again after its groups were released trains exactly as the first time.
 The exit itself is covered by every multi-process test (each rank must exit 0) and, 50 runs at a time, by
 tests/stress (LIGHTNING_MICS_STRESS=1)."""

@@ -1,4 +1,4 @@
-"""Lightning features under MiCS equal a control on the same data and seed (issues 15 and 25).
+"""Lightning features under MiCS equal a control on the same data and seed.
 
 One launch per (strategy, world) runs every case of ``tests/scripts/compat.py`` in one process per rank; the
 tests compare the final parameters (and what each case observed) against DDP, or against one plain Lightning

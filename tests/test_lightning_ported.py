@@ -1,4 +1,4 @@
-"""Lightning's own sharded-strategy tests with MiCSStrategy in FSDP's / ModelParallel's place, and issue 30's flows.
+"""Lightning's own sharded-strategy tests with MiCSStrategy in FSDP's / ModelParallel's place, and users' flows.
 
 Ported from Lightning 2.6's ``tests/tests_pytorch/strategies/test_fsdp.py``, ``test_model_parallel_integration.py``
 and the multi-device cases of ``trainer/optimization/test_manual_optimization.py`` to CPU with 2 ranks, keeping their
@@ -81,8 +81,8 @@ def assert_close(got, want, tol=1e-6):
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
 def test_strategy_checkpoint(runs, state_dict_type, precision):
     """fit -> test -> save (with and without optimizer state) -> test/predict under inference_mode, from the module
-    and from the checkpoint (issue 30, flows 1 and 2); the predictions, and the parameters and optimizer state after
-    resuming from the checkpoint saved after test, equal DDP's."""
+    and from the checkpoint (users' flows: fit-test-save and predict); the predictions, and the parameters and
+    optimizer state after resuming from the checkpoint saved after test, equal DDP's."""
     got, _ = case(runs, "ported", "mics", f"stages_{state_dict_type}_{precision}")
     want, _ = case(runs, "ported", "ddp", f"stages_sharded_{precision}")
     # bf16-mixed: DDP runs MiCS's precision policy (Bf16Copies); on this model of Linear layers autocast alone casts
@@ -103,7 +103,7 @@ def test_checkpoint_multi_gpus(runs, variant):
 
 @pytest.mark.parametrize("threshold", [0, 1024, 100_000_000])
 def test_strategy_full_state_dict(runs, threshold):
-    """Full on rank 0 with the unwrapped module's keys in order, {} on rank 1 (issue 30, flow 3)."""
+    """Full on rank 0 with the unwrapped module's keys in order, {} on rank 1 (a user's state dict after fit)."""
     got, facts = case(runs, "ported", "mics", f"full_sd_{threshold}")
     assert facts[0]["len"] == 4 and facts[1]["len"] == 0
 
@@ -144,7 +144,7 @@ def test_manual_optimization_equals_ddp(runs, name):
     assert_close(got["params"], want["params"], 1e-5)
 
 
-# -- issue 30's flows -------------------------------------------------------------------------------------------------
+# -- users' flows -----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ctx", ["inference_mode", "no_grad"])
 def test_test_and_predict_under_inference_equal_ddp(runs, ctx):
     """test/predict inside the user's ``inference_mode``/``no_grad`` before and after fit give DDP's outputs, and a

@@ -1,5 +1,5 @@
-"""Activation offload replays the forward's dropout masks and leaves the RNG where the forward left it ([Note:
-offload and the RNG] in activations.py): in the engine on real ranks, and through ``offload_dropout_check``, the
+"""Activation offload replays the forward's dropout masks and leaves the RNG where the forward left it
+([Note: offload and the RNG] in activations.py): in the engine on real ranks, and through ``offload_dropout_check``, the
 function a GPU run calls for the CUDA generator (on CPU here)."""
 
 import pytest

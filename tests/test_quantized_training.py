@@ -1,4 +1,4 @@
-"""quantize_gradients / quantize_allgather in training (issue 35): real Trainer + MiCSStrategy on gloo ranks.
+"""quantize_gradients / quantize_allgather in training: real Trainer + MiCSStrategy on gloo ranks.
 
 Equivalence: parameters after N steps of each quantized run within the bound derived in
 tests/scripts/quant_equiv.py ([Note: the equivalence bound]) of a float64 single-process reference on the same
@@ -98,8 +98,8 @@ def test_bytes_across_replicas_and_nodes_at_most_0_3_of_fp32(tmp_path):
             hop_fp32 = sum(n for op, g, n in per[2] if op == "all_gather" and tuple(g) == inter)
             hop_int8 = sum(n for op, g, n in per[3] if op == "all_gather" and tuple(g) == inter)
             assert hop_fp32 > 0 and hop_int8 <= 0.3 * hop_fp32, (rank, step, hop_int8, hop_fp32)
-        # one sequence of collectives on each replica group, the same on its two ranks ([Note: quantized replica
-        # sync] in the engine): the all-gather of one unit's int8 all-reduce never crosses another's all-to-all
+        # one sequence of collectives on each replica group, the same on its two ranks ([Note: quantized replica sync]
+        # in the engine): the all-gather of one unit's int8 all-reduce never crosses another's all-to-all
         peer = res[(rank + 2) % 4]["variants"][1]["comms"]
         mine = [[(op, n) for op, g, n in batch if g and tuple(g) == replica] for batch in runs[1]["comms"]]
         assert mine == [[(op, n) for op, g, n in batch if g and tuple(g) == replica] for batch in peer]

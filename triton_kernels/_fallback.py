@@ -44,7 +44,7 @@ def chunk_cat(tensors: Sequence[torch.Tensor], layout: Layout, out: torch.Tensor
     # zero fill of the padding only. torch._chunk_cat pads by copying each padded tensor whole into a zeroed
     # scratch first (fill, copy, cat): three passes over it and a second padded-size allocation instead of one
     # pass. Measured on GPT-2's root unit (50257-row embedding + 64-row position table + a LayerNorm, 2 chunks,
-    # one CPU thread, fresh output): 19 ms against 40 ms (benchmarks/RESULTS.md, "Communication schedule").
+    # one CPU thread, fresh output): 19 ms against 40 ms (benchmarks/LOG.md, "Communication schedule").
     pairs, pads = _chunk_pieces(out, [t.reshape(-1) for t in tensors], layout)
     if pairs:
         torch._foreach_copy_([c for c, _ in pairs], [p for _, p in pairs])

@@ -7,7 +7,7 @@ critical path of every unit's all-gather / reduce-scatter. A separate cast is a 
 bytes, and (as we read torch's CUDA source) torch.cat batches a bounded number of inputs per launch
 and copies input by input when it has to cast. Here one launch reads every byte once and writes it
 once, casting on the fly, for any number and mix of tensors. flatten is chunk_cat with one chunk (seg =
-numel, no padding). Measured numbers: benchmarks/RESULTS.md (none recorded yet: needs a GPU).
+numel, no padding). Measured on one H100: benchmarks/kernels_h100.md (benchmarks/README.md).
 
 Mixed dtypes: all tensors of one dtype compile a kernel for that dtype; otherwise the kernel
 branches per tensor on the dtype tag in its table row (uniform within a program, so no divergence).

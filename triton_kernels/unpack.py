@@ -6,7 +6,7 @@ chunk_split, the per-chunk copies that rebuild full parameters from an all-gathe
 output (chunk j of every tensor in row j, padding dropped). Why: split_with_sizes_copy cannot cast,
 a cast after it is a second pass, and in plain torch padded tensors need a scratch copy or one
 copy per chunk. Here one launch reads every byte once, casting to each output's own dtype.
-scatter is chunk_split with one chunk. Measured numbers: benchmarks/RESULTS.md (needs a GPU).
+scatter is chunk_split with one chunk. Measured on one H100: benchmarks/kernels_h100.md.
 
 Mixed output dtypes: as in pack.py, one compiled dtype when the outputs agree, else a per-tensor
 branch on the dtype tag of its table row.

@@ -46,8 +46,8 @@ def alike(obj: Any) -> bool:
 
 
 def agree(error: Optional[str], kind: Type[files.CheckpointError] = files.CheckpointError) -> None:
-    """Every rank raises the same ``kind`` of CheckpointError if any rank found one ([Note: checks before
-    collectives])."""
+    """Every rank raises the same ``kind`` of CheckpointError if any rank found one
+    ([Note: checks before collectives])."""
     if _distributed_is_initialized() and dist.get_world_size() > 1:
         errors: List[Optional[str]] = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)

@@ -19,7 +19,7 @@ receives only S elements per other node across the slow link, where the flat gat
 for n = 2 exactly half. The result arrives as (p, n, S), row (l, a); one copy puts it in rank-major (n, p, S)
 order, bit-identical to the flat gather. The other order (intra first, then inter) lands directly in
 rank-major order with no copy, but then every rank carries p S per other node across nodes, more than the
-flat gather. Measured in benchmarks/schedule.py (RESULTS.md); inter first is the default (``HOP_ORDER``)
+flat gather. Measured in benchmarks/schedule.py (benchmarks/LOG.md); inter first is the default (``HOP_ORDER``)
 because the cross-node bytes are what the two hops exist to save; on one host (loopback, no slow link) the
 copy makes it a little slower than intra first. With one rank per node (p = 1) it is one hop over the shard group.
 
@@ -108,8 +108,8 @@ _SIDE_STREAMS: Dict[Tuple[str, Optional[int]], Any] = {}
 
 def side_stream(group: dist.ProcessGroup, device: torch.device) -> Optional[Any]:
     """The stream the middle of a ``Chain`` whose second collective runs on ``group`` runs on where ``wait()`` is
-    stream-ordered (NCCL on CUDA), one per group and device; None where the host waits ([Note: chained
-    collectives])."""
+    stream-ordered (NCCL on CUDA), one per group and device; None where the host waits
+    ([Note: chained collectives])."""
     if device.type != "cuda":
         return None
     backend = str(dist.get_backend(group))  # "nccl", or per device type: "cpu:gloo,cuda:nccl"
@@ -254,9 +254,9 @@ def all_gather_two_hop(
     kernels: str = "auto",
     order: str = HOP_ORDER,
 ) -> AllGatherResult:
-    """The flat all-gather's result in two hops ([Note: two-hop all-gather]), a ``Chain`` ([Note: chained
-    collectives]); ``gathered`` waits for it and returns the rank-major ``(s, S)`` buffer. With one rank per node
-    there is one hop, over ``nodes.inter``."""
+    """The flat all-gather's result in two hops ([Note: two-hop all-gather]), a ``Chain`` ([Note: chained collectives]);
+    ``gathered`` waits for it and returns the rank-major ``(s, S)`` buffer. With one rank per node there is one hop,
+    over ``nodes.inter``."""
     dtype = dtype or shard.dtype
     send = shard if shard.dtype == dtype else lightning_mics_kernels.flatten([shard], dtype=dtype, backend=kernels)
     n, p, size = nodes.nodes, nodes.per_node, send.numel()

@@ -21,7 +21,7 @@ hook on the group's output starts that copy back on the side stream when the out
 the blocks after the group have finished their backward, just before the replay needs it. The host copies are held by
 that hook and the replay alone, not by the segment, so they go with the graph after backward instead of staying (pinned)
 through the optimizer step, validation and saves until the next forward. On one H200 (GPT-2 124M, bf16-mixed, groups of
-2; benchmarks/RESULTS.md, "the CUDA paths the CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB),
+2; benchmarks/LOG.md, "the CUDA paths the CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB),
 2.8 ms per step per direction. At 8 sequences that step is bound by the host, and its time moves more from process to
 process (grouping alone 76-114 ms) than offload moves it; starting each copy back one group earlier, and copying on the
 compute stream instead of a side stream, were tried there and neither stood out of that spread, so neither is done. At
@@ -42,9 +42,7 @@ torch's checkpoint saves the RNG state of the CPU and of the devices of its inpu
 forward's dropout masks again) and puts the current one back after (later draws unmoved). Given the host copies alone
 it would save the CPU's only: on CUDA the replay would draw other masks and shift every later draw, silently. So the
 checkpoint also gets an empty tensor on each device whose inputs were offloaded and no other input is on (one per
-device, kept; the replay drops them), and saves that device's RNG state as without offload. Tests: the engine with
-dropout in every block, offload on and off bit-equal, gradients and RNG states (tests/test_offload_rng.py); the same
-check on any device, a GPU's included: ``offload_dropout_check`` (tests/helpers/offload_check.py).
+device, kept; the replay drops them), and saves that device's RNG state as without offload.
 
 [Note: checkpointing under torch.compile]
 A compiled forward saves for backward what its graphs save, not what the eager ops would; the replay must save
@@ -55,10 +53,8 @@ break), and the replay installs that callback, so each block's frames hit the gr
 (dynamo's cache: nothing recompiles) and the same compiled code saves the same tensors. A block compiled on its
 own replays compiled anyway: in place (``block.compile()``) the capture is skipped, so its graph stays whole
 under ``fullgraph=True``; a ``torch.compile(block)`` wrapper is the group's block itself, its hooks outside the
-graph. The other hooks are registered ``torch.compiler.disable``d, as the engine's own ([Note: hooks under
-torch.compile] in hooks.py). Tested for a model compiled whole (Fabric), a compiled submodule and blocks compiled
-one by one, wrapped and in place (Trainer), each against compiled DDP (tests/test_compile.py), and litgpt's GPT
-compiled under Fabric (tests/test_fabric_litgpt.py).
+graph. The other hooks are registered ``torch.compiler.disable``d, as the engine's own
+([Note: hooks under torch.compile] in hooks.py).
 """
 
 from __future__ import annotations
@@ -78,8 +74,8 @@ _set_frame_callback = torch._C._dynamo.eval_frame.set_eval_frame
 
 @torch.compiler.disable(recursive=False)  # dynamo runs this frame as it is, its callback still installed
 def _frame_callback() -> Any:
-    """Dynamo's frame callback when a compiled forward calls this, else None ([Note: checkpointing under
-    torch.compile])."""
+    """Dynamo's frame callback when a compiled forward calls this, else None
+    ([Note: checkpointing under torch.compile])."""
     return torch._C._dynamo.eval_frame.get_eval_frame_callback()
 
 

@@ -48,8 +48,8 @@ class MiCSEngine:
         checkpoint_group_size, activation_offload = options.checkpoint_group_size, options.activation_offload
         reshard_after_forward = options.reshard_after_forward
         self.log = CommLog()
-        # [Note: optimizer rows over replicas] in optimizer_rows.py (s > 1) or [Note: optimizer-state-only
-        # sharding] in gradients.py (s = 1: the shard group is every rank)
+        # [Note: optimizer rows over replicas] in optimizer_rows.py (s > 1) or
+        # [Note: optimizer-state-only sharding] in gradients.py (s = 1: the shard group is every rank)
         optimizer_state_only = zero1(options)
         over_replicas = options.shard_optimizer_state and not optimizer_state_only and topo.layout.replicas > 1
         self.optimizer_state_only = optimizer_state_only
@@ -64,8 +64,8 @@ class MiCSEngine:
                                   options.quantization_block_size)  # [Note: quantized traffic] in options.py
         self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, kernels=kernels,
                            log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only, quantize=quantize,
-                           optimizer_over_replicas=over_replicas, lends=i == 0)  # the root: [Note: masters moved
-                      for i, up in enumerate(plan.units)]  # outside a step] in lent.py
+                           optimizer_over_replicas=over_replicas, lends=i == 0)  # the root lends:
+                      for i, up in enumerate(plan.units)]  # [Note: masters moved outside a step] in lent.py
         self.device = device
         by_param = {id(rp.full): rp for rp in self.replicated}
         order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
@@ -270,8 +270,8 @@ class MiCSEngine:
     def reset(self, keep_feedback: bool = False, rows_wait_s: float = 0.0) -> None:
         """After an exception: every unit back to SHARDED locally, no collective (peers may be gone).
         ``keep_feedback``: after a run that ended well, the error-feedback residuals stay for the next one.
-        ``rows_wait_s``: how long the optimizer rows in flight may still take to arrive ([Note: rows when a
-        run ends] in optimizer_rows.py; 0: what has arrived is taken)."""
+        ``rows_wait_s``: how long the optimizer rows in flight may still take to arrive
+        ([Note: rows when a run ends] in optimizer_rows.py; 0: what has arrived is taken)."""
         self.grads.reset(keep_feedback)
         self.hooks.reset()
         self._steps.running = 0

@@ -147,12 +147,14 @@ def load_full_state_dict(units: Sequence[Unit], root: nn.Module, state: Dict[str
 
 
 def _as_torch_loads(root: nn.Module, state: Dict[str, Tensor], strict: bool) -> Dict[str, Tensor]:
-    """[Note: loading as torch loads] The tensor ``root.load_state_dict(state, strict)`` would load at each of
-    the root's state-dict names: the modules' own ``_load_from_state_dict`` and load pre-hooks act, so a module
-    that renames or rebuilds entries of an older layout loads them (litgpt's LoRA GPT takes a base model's
-    ``lm_head.weight`` as ``lm_head.linear.weight``; its attention reassembles legacy ``attn`` weights). torch's
-    own load runs with ``assign=True``, which only places the given tensors (its shape checks and strict errors
-    included); they are read back and every module's own parameters and buffers put back."""
+    """The tensor ``root.load_state_dict(state, strict)`` would load at each of the root's state-dict names.
+
+    [Note: loading as torch loads]
+    The modules' own ``_load_from_state_dict`` and load pre-hooks act, so a module that renames or rebuilds entries of
+    an older layout loads them (litgpt's LoRA GPT takes a base model's ``lm_head.weight`` as ``lm_head.linear.weight``;
+    its attention reassembles legacy ``attn`` weights). torch's own load runs with ``assign=True``, which only places
+    the given tensors (its shape checks and strict errors included); they are read back and every module's own
+    parameters and buffers put back."""
     where = {}
     for prefix, module in root.named_modules(remove_duplicate=False):
         for attr in [*module._parameters, *module._buffers]:

@@ -57,8 +57,8 @@ class UnitGrads:
         self.bucket_size = bucket_size
         self.needs_reduce = False
         self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
-        self.replica_issued = False  # the accumulator's replica all-reduce is in flight ([Note: replica sync
-        self.late: Optional[Tensor] = None  # overlap]); reductions finished after that go to ``late``
+        self.replica_issued = False  # the accumulator's all-reduce is in flight ([Note: replica sync overlap])
+        self.late: Optional[Tensor] = None  # reductions finished after that issue go here
         self.rows = unit.optimizer_rows  # [Note: optimizer rows over replicas] in optimizer_rows.py
         self.reduced: Optional[Tensor] = None  # with them: this replica's rows of the synced gradients
         self._replica_work: List[Tuple[Optional[dist.Work], Optional[Tensor], List[Tensor]]] = []
@@ -311,9 +311,7 @@ class UnitGrads:
 # A reduce-scatter normally stays in flight while the next unit's backward runs; but the first unit of the
 # boundary backward finishes its reduce-scatter at once and issues its all-reduce: waiting for the next unit's
 # backward would leave the replica link idle (``_link_waits_for``; the issue order is unchanged, only the moment
-# of the issue, decided by the program alone, never by whether a collective has completed). On 4 local ranks
-# (benchmarks/phases.py, mics_host) the first cross-host collective came 0.06 s sooner after the forward's end:
-# 0.26 -> 0.20 s, as FSDP2 HSDP's 0.21 s.
+# of the issue, decided by the program alone, never by whether a collective has completed).
 # The world all-reduce of the used-flags (and of the replicated parameters' last bucket) is issued at the end
 # of backward before anything is waited for, so its round trip across the slow link overlaps the replica
 # all-reduce's transfer instead of following it.
@@ -414,8 +412,8 @@ class GradientPath:
 
     def _issue_next_replica_sync(self) -> None:
         """The next unit's replica all-reduce in ``_sync_order``; int8 ones already issued first start their
-        all-gather, so the sequence on the replica group is the same on every rank ([Note: quantized replica
-        sync])."""
+        all-gather, so the sequence on the replica group is the same on every rank
+        ([Note: quantized replica sync])."""
         for g in self._sync_order[:self._sync_cursor]:
             g.start_replica_gathers()
         self._sync_order[self._sync_cursor].issue_replica_sync()

@@ -21,17 +21,16 @@ optimizer step:         the user's optimizer steps the DTensor shards ([Note: pl
                         ([Note: steps the engine hears of] in optimizer_hooks.py) any unit that is still gathered is
                         refreshed (manual optimization steps inside the root's forward) and stale prefetches are
                         dropped (``Schedule.after_optimizer_step``); one that a backward and user code left gathered
-                        without a step is gathered again when a forward next enters it ([Note: masters moved
-                        outside a step] in lent.py).
+                        without a step is gathered again when a forward next enters it
+                        ([Note: masters moved outside a step] in lent.py).
 
 [Note: hooks under torch.compile]
-Dynamo would trace into the forward hooks (they wait on collectives, resize storages, swap module attributes and
-wrap inputs in an autograd Function) and fail there. They are ``torch.compiler.disable``d, as FSDP2 has dynamo
-skip its own hooks: a compiled model breaks its graph at each unit's entry and exit, runs the hook eagerly and
-compiles what lies between (tests/test_compile.py, against DDP compiled the same way). The backward hooks (tensor
-hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd engine, outside dynamo.
-Compiled autograd would trace them: the first backward hook refuses it with a RuntimeError on every rank (it
-failed inside dynamo at ``queue_callback`` without ``fullgraph``, and hung with it).
+Dynamo would trace into the forward hooks (they wait on collectives, resize storages, swap module attributes and wrap
+inputs in an autograd Function) and fail there. They are ``torch.compiler.disable``d, as FSDP2 has dynamo skip its own
+hooks: a compiled model breaks its graph at each unit's entry and exit, runs the hook eagerly and compiles what lies
+between. The backward hooks (tensor hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd
+engine, outside dynamo. Compiled autograd would trace them: the first backward hook refuses it with a RuntimeError on
+every rank (it failed inside dynamo at ``queue_callback`` without ``fullgraph``, and hung with it).
 
 [Note: calls outside the precision's context]
 Under a mixed precision (``param_dtype`` narrower than the masters' dtype) the units lend ``param_dtype`` copies,

@@ -15,8 +15,8 @@ The replica all-reduce of the window's shard gradients becomes its two halves, s
   all-reduce was ([Note: replica sync overlap] in gradients.py);
 - after the optimizer step every unit's updated rows are *all-gathered* over the replica group (master dtype,
   async, in unit order) when the next forward starts, and a unit's gather waits for its rows before it reads the
-  flat shard, so these transfers run while the forward computes the units before it ([Note: rows between
-  steps]). A state dict, a save or a full gather exchanges them first and waits.
+  flat shard, so these transfers run while the forward computes the units before it
+  ([Note: rows between steps]). A state dict, a save or a full gather exchanges them first and waits.
 The bytes on the replica link are the all-reduce's (a ring all-reduce is a reduce-scatter plus an all-gather);
 in fp32 the same, with a lower reduce_dtype the gather half moves master-dtype rows. What moves is *when*: half
 of it overlaps the forward instead of queueing after the backward, and each replica's optimizer steps 1/r of
@@ -38,9 +38,7 @@ whatever changed them crosses:
   decision the same everywhere: a write may change one replica's rows and not another's (a clamp with nothing out
   of range on one of them);
 - the exchanges are issued in unit order, async; each unit's gather waits for its own.
-Before, the updated rows left right after the step and writes after it reached this replica's rows only: a clamp
-after every step ended 0.088 from DDP on 4 ranks, an average swapped in validated on a mix of rows. The cost is a
-copy of this replica's rows (1/r of the master shard) and, on a forward that no step precedes (the micro-batches
+The cost is a copy of this replica's rows (1/r of the master shard) and, on a forward that no step precedes (the micro-batches
 inside an accumulation window, evaluation), the comparison, the flags' all-reduce (4 bytes a unit, latency only)
 and one host read of their sums ([Note: host reads per step] in reliability.py); after a step every unit is stale
 and nothing is compared or read. Every rank then runs the same forwards as its replicas, as it already does with
@@ -248,8 +246,8 @@ class OptimizerRows:
 
     def drop(self, deadline: float = 0.0) -> None:
         """Local reset after a failure, no collective issued: the exchange in flight is given until ``deadline``
-        (``time.monotonic()``) to complete and is taken if it did; the rows are due next ([Note: rows when a run
-        ends]). The error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
+        (``time.monotonic()``) to complete and is taken if it did; the rows are due next ([Note: rows when a run ends]).
+        The error-feedback residual is the gradient path's to drop (``UnitGrads.drop``)."""
         work = self._pending.work if self._pending is not None else None
         while work is not None and not work.is_completed() and time.monotonic() < deadline:
             time.sleep(_POLL_S)

@@ -190,10 +190,10 @@ class Schedule:
 
     def catch_up(self, unit: Unit, outermost: bool) -> None:
         """A forward enters ``unit``: if the masters may have moved since its plain parameters were filled, what user
-        code wrote to them is taken, the rows cross the replicas and the unit is gathered again ([Note: masters moved
-        outside a step] in lent.py). Collective over the shard group (and the replica group with rows over replicas),
-        decided alike on every rank. The version counters are read at the ``outermost`` entry only: a nested one
-        comes at every call of a module holding a root parameter (under ZeRO-1, every module)."""
+        code wrote to them is taken, the rows cross the replicas and the unit is gathered again
+        ([Note: masters moved outside a step] in lent.py). Collective over the shard group (and the replica group with
+        rows over replicas), decided alike on every rank. The version counters are read at the ``outermost`` entry only:
+        a nested one comes at every call of a module holding a root parameter (under ZeRO-1, every module)."""
         if unit.behind or (outermost and unit.written_in_place()):
             unit.take_writes()
             self.exchange_rows()
@@ -225,9 +225,9 @@ class Schedule:
 
     def after_optimizer_step(self) -> None:
         """The masters moved: post-step hook of every optimizer, and before a step's closure is evaluated again
-        ([Note: evaluations inside a step]). The updated rows are due across the replicas ([Note: rows between
-        steps] in optimizer_rows.py); units still in use, or pinned, get the new values; idle ones are released,
-        their plain parameters (the masters before the step, their writes taken then) left out of the masters."""
+        ([Note: evaluations inside a step]). The updated rows are due across the replicas ([Note: rows between steps] in
+        optimizer_rows.py); units still in use, or pinned, get the new values; idle ones are released, their plain
+        parameters (the masters before the step, their writes taken then) left out of the masters."""
         for unit in self.units:
             unit.rows_stepped()
         for unit in self.units:

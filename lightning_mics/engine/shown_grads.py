@@ -4,34 +4,20 @@
 User code can run while a unit lends the module plain parameters, not the DTensors the optimizer steps: under the
 optimizer-state-only layout ([Note: optimizer-state-only sharding] in gradients.py) the pinned unit between steps,
 and at s > 1 the root unit for the whole ``training_step`` of manual optimization (it runs inside the root's forward,
-[Note: keep for backward] in schedule.py). The boundary publishes the gradients on the DTensors; the plain
-parameters' ``.grad`` was left None, so what user code does through the module missed the gradients the optimizer
-steps:
-
-- ``model.zero_grad()`` (HF-style loops, Lightning's own ``on_validation_model_zero_grad``) cleared nothing, and the
-  next window's gradients were added to the last one's: a Fabric loop zeroing through the module under ZeRO-1
-  ended 0.036 from one process after 6 steps, ``self.zero_grad()`` in manual optimization 0.061 from DDP (0.055 at
-  s = 2, the root's gradients); Lightning's ``StochasticWeightAveraging`` batch-norm epoch, whose closing step
-  reuses the gradients the validation zeroed, 0.011 from DDP under ZeRO-1 (AdamW, measured by hand);
-- gradients read in ``on_before_optimizer_step`` (norms logged) or clipped by hand over ``model.parameters()`` were
-  not there (the clip: 0.041 from one process under Fabric).
-
-So while such a unit is gathered (from the boundary's publish, or from the root's gather for a forward) each plain
-parameter's ``.grad`` shows the optimizer's: the same DTensor (the rows this rank steps, ``full_tensor()`` the whole
-reduced gradient), or under a lower ``param_dtype`` a DTensor copy in the plain parameter's dtype (``.grad`` must
-match it). What user code does to it is taken into the optimizer's gradient before the optimizer or the next window
-reads it (``take``: the optimizers' pre-step, after each evaluation of a step's closure, when a forward starts,
-before a backward adds to it):
+[Note: keep for backward] in schedule.py). While such a unit is gathered (from the boundary's publish, or from the
+root's gather for a forward) each plain parameter's ``.grad`` shows the optimizer's: the same DTensor (the rows this
+rank steps), or under a lower ``param_dtype`` a DTensor copy in the plain parameter's dtype. What user code does to
+it is taken into the optimizer's gradient before the optimizer or the next window reads it (``take``: the optimizers'
+pre-step, after each evaluation of a step's closure, when a forward starts, before a backward adds to it):
 
 - set to None (``zero_grad()``): the optimizer's gradient is set to None;
 - written in place: the same tensor, so already there; a copy's elements that changed since it was shown are taken
-  (bit for bit, as [Note: writes between steps] in lent.py takes parameters). A copy is not updated when the
-  engine changes the optimizer's gradient (clipping by norm, the loss scaler's unscaling): read it before those;
+  (bit for bit, as [Note: writes between steps] in lent.py takes parameters). A copy does not follow the engine's own
+  changes to the optimizer's gradient (clipping by norm, the loss scaler's unscaling);
 - replaced by another DTensor of the same placements (``p.grad = p.grad * c``): taken as the optimizer's gradient;
   any other tensor is refused with a ``ValueError``;
-- the optimizer's ``zero_grad()``: the plain ``.grad`` follows at once (set to None, or a copy shown again), as it
-  would under DDP, where they are the same tensors (Lightning's own manual-optimization test reads it in
-  ``on_train_batch_end``).
+- the optimizer's ``zero_grad()``: the plain ``.grad`` follows at once (None, or a copy shown again), as under DDP,
+  where they are the same tensors.
 
 The shown gradient leaves ``.grad`` before autograd accumulates into it (a hook on the parameter, which runs before
 the accumulation) and before the engine reads the plain gradients at the end of backward, so the plain ``.grad`` is
@@ -52,8 +38,9 @@ from lightning_mics.engine.unit import ShardedState, Unit
 
 
 class ShownGrads:
-    """One unit's plain parameters showing the optimizer's gradients while it is gathered ([Note: gradients on the
-    plain parameters]); its ``ShardedParam``s: ``full`` the plain parameter, ``sharded`` the optimizer's DTensor."""
+    """One unit's plain parameters showing the optimizer's gradients while it is gathered
+    ([Note: gradients on the plain parameters]); its ``ShardedParam``s: ``full`` the plain parameter, ``sharded`` the
+    optimizer's DTensor."""
 
     def __init__(self, unit: Unit) -> None:
         self.unit = unit

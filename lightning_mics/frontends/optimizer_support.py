@@ -5,9 +5,8 @@ The optimizer steps the sharded parameters as DTensors on the (replicate, shard)
 operation of its step runs on this rank's rows, and DTensor's rules say what an operation across rows needs
 (a norm's partial sums, a matmul's redistribution). So an elementwise optimizer steps exactly what it steps under
 DDP, and one that mixes rows is still right where DTensor has the rule: of torch.optim's optimizers, ASGD,
-Adadelta, Adagrad, Adam, AdamW, Adamax, Muon, NAdam, RAdam, RMSprop and SGD equal DDP
-(tests/test_lightning_compat.py; Muon's Newton-Schulz runs in bfloat16, where DTensor sums a matmul's partial
-products in another order). Where a rule is missing, the step would fail at its first call with DTensor's
+Adadelta, Adagrad, Adam, AdamW, Adamax, Muon, NAdam, RAdam, RMSprop and SGD (Muon's bfloat16 Newton-Schulz up to
+the order of a matmul's partial sums). Where a rule is missing, the step would fail at its first call with DTensor's
 sharding-propagation error. Those are refused here instead, naming the optimizer, the operation and the
 parameter, with what is allowed:
 - a fused kernel without a rule (torch 2.13: ``SGD`` and ``Adagrad`` with ``fused=True``): read from DTensor's
@@ -19,9 +18,8 @@ parameter, with what is allowed:
   parameter of two or more dimensions.
 These three are probed: the very operation their step runs, on a detached parameter of each distinct layout,
 so a refusal lifts by itself where torch gains the rule (an even model runs LBFGS). A probe runs on this rank's
-own rows, and with ``shard_optimizer_state`` the replicas step rows of different sizes (LBFGS's flatten there
-failed on every rank, but with each rank's own error: 240 elements on one replica, 216 on the other), so whether
-it fails is decided per rank. Rather than rely on every layout failing alike, the ranks agree first (one
+own rows, and with ``shard_optimizer_state`` the replicas step rows of different sizes, so whether it fails is
+decided per rank. Rather than rely on every layout failing alike, the ranks agree first (one
 ``all_gather_object`` of their answers, every rank probing the same optimizer at the same point of setup) and all
 raise the first refusing rank's message. An optimizer of one's own is not probed: DTensor's
 error at its first step names the operation.

@@ -18,8 +18,8 @@ within the grace (a lone failure), or the store is gone (its host died): destroy
 peer's pending collective fails at once, ends its own ``fit`` with an error and its process exits; the job ends
 with the failing rank's traceback in its output. Ranks that fail alike reach their exception within a step of
 each other (every unit's gather keeps them in lockstep), far below the grace. The engine is put back after that
-answer and knowing it: after a failure alike it may still wait, bounded, for what every rank issued ([Note: rows
-when a run ends] in optimizer_rows.py); after a lone one it waits for nothing.
+answer and knowing it: after a failure alike it may still wait, bounded, for what every rank issued
+([Note: rows when a run ends] in optimizer_rows.py); after a lone one it waits for nothing.
 
 One case stays out of reach: the failing rank had an asynchronous collective in flight that no peer will ever
 match; destructing its group then waits for that collective. The engine's schedule issues the same collectives
@@ -33,10 +33,10 @@ aborted) and exits; torchrun's agent then kills every other worker of the job, a
 its child ranks when one exits non-zero (every 5 s; a failed rank 0 is the launcher itself: its children are left
 to (3)). (2) NCCL: a transport that sees the peer's connection close reports an asynchronous error, and torch's
 watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default: abort and end the process) ends that rank.
-(3) ``timeout``: the watchdog aborts a collective that runs longer, on every group ([Note: the timeout of every
-group] in frontends/shared.py). The engine sets no NCCL variable: blocking waits would stall the host at every step.
-Multi-rank NCCL has not run here (one GPU at most): on several GPUs use torchrun and a ``timeout`` near the
-longest healthy collective (checkpoints included).
+(3) ``timeout``: the watchdog aborts a collective that runs longer, on every group ([Note: the timeout of every group]
+in frontends/shared.py). The engine sets no NCCL variable: blocking waits would stall the host at every step. Multi-rank
+NCCL has not run here (one GPU at most): on several GPUs use torchrun and a ``timeout`` near the longest healthy
+collective (checkpoints included).
 
 [Note: host reads per step]
 A host read of device data waits for the device's queued work. A steady-state optimizer step reads only: with
@@ -44,8 +44,7 @@ A host read of device data waits for the device's queued work. A steady-state op
 over replicas the units' summed changed-flags, once per forward that no step precedes ([Note: rows between steps]
 in optimizer_rows.py); with Fabric's ``clip_gradients(error_if_nonfinite=True)`` the norm, once. Host memory,
 no wait: the flags of [Note: flags without a wait] (replicated.py, ``publish``) and torch's step counts. Clipping,
-ZeRO-1's shown gradients, int8 blocks and offload read nothing. tests/test_host_reads.py counts each site on 4 ranks under
-Fabric and the Trainer and holds the engine to this list.
+ZeRO-1's shown gradients, int8 blocks and offload read nothing.
 """
 
 from __future__ import annotations

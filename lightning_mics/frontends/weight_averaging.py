@@ -11,8 +11,9 @@ original, tied ones tied) holding clones of its parameters as they are between s
 own shards, with the callback's own ``avg_fn`` / ``multi_avg_fn``, and holds 1/s of the average; the callback's
 plain copy is freed. Everything else is the callback's code, unchanged:
 
-- validation swaps average and parameters with ``.data.copy_`` and back: writes between steps ([Note: writes between
-  steps] in unit.py, [Note: rows between steps] in optimizer_rows.py), which the engine takes as any other;
+- validation swaps average and parameters with ``.data.copy_`` and back: writes between steps
+  ([Note: writes between steps] in lent.py, [Note: rows between steps] in optimizer_rows.py), which the engine takes as
+  any other;
 - ``on_save_checkpoint`` puts the shadow's state dict (the module's keys, DTensors of the module's placements) in
   ``state_dict``, which the sharded save writes as the model's, and the module's own in ``current_model_state``
   (DTensors beside the model: [Note: DTensors beside the model] in checkpoint/beside.py); the full format gathers

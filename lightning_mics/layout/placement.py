@@ -267,8 +267,9 @@ class ShardedParam(_Placed):
     @torch.no_grad()
     def reattach(self, view: Tensor) -> None:
         """``p.data = x`` on the plain parameter (a rebinding, not a write in place) moved it off ``view``, the unit's
-        storage: its values go into ``view`` and it views that again, so the write is taken as any other ([Note:
-        writes between steps] in lent.py). A DTensor's ``.data = x`` leaves its local tensor as it was (torch)."""
+        storage: its values go into ``view`` and it views that again, so the write is taken as any other
+        ([Note: writes between steps] in lent.py). A DTensor's ``.data = x`` leaves its local tensor as it was
+        (torch)."""
         if self.full is not None and self.tp_spec is None and self.full.data_ptr() != view.data_ptr():
             view.copy_(self.full.data)
             self.full.data = view

@@ -282,7 +282,7 @@ def release(topo: Topology) -> None:
 # its tensors, the Python state captured in its ThreadLocalState). If the interpreter has begun finalizing by then,
 # CPython (< 3.14) ends the thread with pthread_exit; the forced unwind meets a noexcept frame in
 # ProcessGroupGloo::runLoop and std::terminate aborts the process ("terminate called without an active exception",
-# status -6) after a fit that succeeded (issue 24; seen with Lightning's DDP too, which leaves its group alive).
+# status -6) after a fit that succeeded (seen with Lightning's DDP too, which leaves its group alive).
 # Every group still alive at exit is exposed, the default group included. destroy_process_group() alone does not
 # stop a gloo group's threads; only destructing the ProcessGroupGloo joins them, and a DeviceMesh keeps its groups
 # in ``_pg_registry``. So at exit, before finalization, while workers can still take the GIL: destroy every group,

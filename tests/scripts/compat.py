@@ -92,7 +92,7 @@ class Base(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
 
 
-# -- issue 15: manual optimization ---------------------------------------------------------------------------
+# -- manual optimization -----------------------------------------------------------------------------------
 class ManualOne(Base):
     def __init__(self):
         super().__init__()
@@ -187,7 +187,7 @@ def gan_data(n):
     return TensorDataset(torch.randn(n, 12, generator=g) @ torch.randn(12, 12, generator=g))
 
 
-# -- issue 15: the module called outside a step, the summary -----------------------------------------------
+# -- the module called outside a step, the summary -------------------------------------------------------
 PROBE = torch.arange(2 * T).view(2, T) % V
 
 
@@ -222,7 +222,7 @@ class Summary(L.Callback):
         self.layers = dict(zip(s.layer_names, s.param_nums))
 
 
-# -- issue 25: the weights users get back ------------------------------------------------------------------------
+# -- the weights users get back --------------------------------------------------------------------------------
 class BF16(Base):
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, eps=1e-6)
@@ -270,8 +270,8 @@ class LateReplica(Base):
 
 class SomeRanks(Base):
     """A head that only the odd ranks' loss uses: on the even ranks it gets no gradient, so only the others' word
-    (the summed "got a gradient" flags) says it has one; the odd ranks know it from their own ([Note: flags
-    without a wait] in replicated.py)."""
+    (the summed "got a gradient" flags) says it has one; the odd ranks know it from their own
+    ([Note: flags without a wait] in replicated.py)."""
 
     def __init__(self):
         super().__init__()

@@ -205,8 +205,9 @@ def case_equiv(s, accum, kind, clip, how, precision="32-true", layout=""):
     probe = data[0, 0, :2, :-1]
     with torch.no_grad():
         out = model(probe)  # called outside the loop: full parameters gathered unit by unit
-        # a root-owned submodule called directly, outside Fabric's precision context: [Note: calls outside the
-        # precision's context] in lightning_mics/engine/hooks.py (bf16-mixed: it met bf16 copies without autocast)
+        # a root-owned submodule called directly, outside Fabric's precision context:
+        # [Note: calls outside the precision's context] in lightning_mics/engine/hooks.py (bf16-mixed: it met bf16
+        # copies without autocast)
         ones = torch.ones(3, D, dtype=torch.bfloat16 if precision == "bf16-true" else torch.float32)
         head = model.module.head(ones)
     held = fabric.strategy.model_state_bytes(model.module, [opt])
@@ -572,9 +573,9 @@ def case_nonfinite():
 
 def case_quant(s, accum, block, layout=""):
     """quant_equiv.py's nn.Linear + SGD under the Fabric loop (no_backward_sync while accumulating), unquantized
-    and with quantize_gradients=True (``layout`` "os": ``"error_feedback"`` with shard_optimizer_state=True, [Note:
-    quantized optimizer rows], the weight and the bias stepped by two SGD optimizers one after the other); per run
-    the collectives on this rank's replica group (op, dtype) and, on rank 0, the parameters, the float64 reference
+    and with quantize_gradients=True (``layout`` "os": ``"error_feedback"`` with shard_optimizer_state=True,
+    [Note: quantized optimizer rows], the weight and the bias stepped by two SGD optimizers one after the other); per
+    run the collectives on this rank's replica group (op, dtype) and, on rank 0, the parameters, the float64 reference
     and the bound of [Note: the equivalence bound]."""
     from argparse import Namespace
 

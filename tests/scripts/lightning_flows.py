@@ -1,4 +1,5 @@
-"""The flows of issue 30 and Lightning's multi-device manual-optimization tests, under MiCS and under DDP.
+"""Lightning users' flows (inference mode, fit-test-save, ...) and Lightning's multi-device manual-optimization
+tests, under MiCS and under DDP.
 
     python lightning_flows.py --out DIR --strategy mics|ddp --cases inference_mode,seq_small_fit-test-save,...
 
@@ -187,7 +188,7 @@ def case_manual_frequencies(tmp, model_cls):
     return {"params": got}
 
 
-# -- issue 30's flows ---------------------------------------------------------------------------------------------
+# -- users' flows -------------------------------------------------------------------------------------------------
 class FlowModel(lp.TestFSDPModel):
     """Built in ``__init__``: a module first built by configure_model inside the user's ``inference_mode`` holds
     inference tensors under DDP, which then cannot fit (MiCS's shards are normal tensors either way)."""

@@ -1,4 +1,4 @@
-"""The soak (issue 19): a long fit on 4 CPU ranks, sampled every ``--sample-every`` optimizer steps.
+"""The soak: a long fit on 4 CPU ranks, sampled every ``--sample-every`` optimizer steps.
 
 Run as a user does: ``python tests/stress/soak.py --out DIR`` (Lightning's launcher starts ranks 1-3). Defaults:
 2,000 optimizer steps, accumulation 4, validation every 100 optimizer steps (``val_check_interval`` counts

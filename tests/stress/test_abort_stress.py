@@ -1,5 +1,5 @@
-"""Issue 24 stress checks, marked ``stress``: CI's default run deselects them (pyproject's addopts);
-run them with ``python -m pytest -m stress tests/stress``.
+"""Stress checks of what fits leave behind (process groups, aborts at exit), marked ``stress``: CI's default run
+deselects them (pyproject's addopts); run them with ``python -m pytest -m stress tests/stress``.
 
 - the user's small fit (2 ranks, s=2, launched as `python script.py`) run N times in a row (default 50,
   LIGHTNING_MICS_STRESS_RUNS): every run, both ranks, must exit 0 ("terminate called without an active
@@ -49,4 +49,4 @@ def test_two_layouts_do_not_grow_the_live_groups(tmp_path):
     records = [json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines() if line.startswith("GROUPS ")]
     assert len(records) == 2, proc.stdout[-4000:]
     for rec in records:
-        assert rec["after_fit_s1"] <= rec["after_fit_s2"], rec  # issue 24: a second layout adds no live group
+        assert rec["after_fit_s1"] <= rec["after_fit_s2"], rec  # a second layout adds no live group

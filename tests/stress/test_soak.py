@@ -1,11 +1,11 @@
-"""The soak (issue 19), marked ``stress`` (CI's default run deselects it): ``python -m pytest -m stress
+"""The soak, marked ``stress`` (CI's default run deselects it): ``python -m pytest -m stress
 tests/stress/test_soak.py``. One real fit of tests/stress/soak.py on 4 CPU ranks, started as a user does (Lightning's
 launcher): 2,000 optimizer steps, accumulation 4, validation every 100 steps, a sharded checkpoint every 500.
 
 Sampled every 100 optimizer steps on every rank, after the step. Warm-up is the first 500 steps (five validations,
 up to the first checkpoint save); after it, each rank's resident set stays within 5% (largest / smallest sample),
 and at every sample no gathered parameter is alive (the engine's count and the storages the modules hold) and the
-live process groups and threads are those of the first sample. Figures: benchmarks/RESULTS.md ("Soak").
+live process groups and threads are those of the first sample. Figures: benchmarks/LOG.md ("Soak").
 """
 
 import json
