@@ -840,25 +840,12 @@ def _csan_on() -> bool:
 
 def _planted_read(args, case: dict, prompt: dict, backend: Optional[str]) -> dict:
     """The device can fail a run: the first Trainer case again, on host copies, with a unit's all-gather output read
-    before its ``wait()`` (tests/scripts/late_early_read.py's defect); its full state must differ from the case's
-    own (``caught``). Rank 0 judges."""
-    import lightning_mics.comm.collectives as C
+    before its ``wait()`` (``read_before_wait`` in tests/helpers/late_collectives.py); its full state must differ
+    from the case's own (``caught``). Rank 0 judges."""
+    from tests.helpers.late_collectives import read_before_wait
 
-    real = C.gathered
-
-    def read_before_wait(res, log=None):
-        if res.finish is None and res.output is not None:
-            snapshot = res.output.clone()
-            C.wait(res.work, log)
-            return snapshot
-        return real(res, log)
-
-    C.gathered = read_before_wait
-    try:
-        with Modes(host=True, every=args.dry_run, late=0.0):
-            state, _ = _trainer_state(args, case, "32-true", backend)
-    finally:
-        C.gathered = real
+    with read_before_wait(), Modes(host=True, every=args.dry_run, late=0.0):
+        state, _ = _trainer_state(args, case, "32-true", backend)
     got = _equal(state, prompt)
     return {"case": json.dumps(case), "planted": "read before wait()", **({"caught": not got["bit_equal"]}
                                                                        if got else {})}

@@ -14,10 +14,11 @@ for bit: a buffer read too early then holds stale numbers, one written in flight
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -142,3 +143,26 @@ class LateCollectives(TorchDispatchMode):
                 lane.close()
             self.lanes.clear()
         return super().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def read_before_wait() -> Iterator[None]:
+    """A defect planted on purpose, to show the device can fail a run: inside, a unit's flat all-gather output is
+    copied before its ``wait()`` (then waited for) and the copy used. On gloo's prompt collectives that nearly always
+    holds the right numbers; under ``LateCollectives`` it must not."""
+    import lightning_mics.comm.collectives as collectives
+
+    real = collectives.gathered
+
+    def early(res, log=None):
+        if res.finish is None and res.output is not None:
+            snapshot = res.output.clone()
+            collectives.wait(res.work, log)
+            return snapshot
+        return real(res, log)
+
+    collectives.gathered = early
+    try:
+        yield
+    finally:
+        collectives.gathered = real
