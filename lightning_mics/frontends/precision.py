@@ -8,7 +8,7 @@ overflows on one rank's shard is skipped on every rank (``ShardedGradScaler``).
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
