@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mics.comm import collectives as C
+from lightning_mics.comm import collectives
 from lightning_mics.layout.placement import ReplicatedParam, local
 from lightning_mics.comm.telemetry import CommLog
 
@@ -72,7 +72,7 @@ class ReplicatedReducer:
         layout = self._layouts.get(key)
         if layout is None:
             trainable = [rp for rp in self.params if rp.requires_grad]
-            runs = C.bucket_runs([rp.local.numel() for rp in trainable], self.bucket_numel)
+            runs = collectives.bucket_runs([rp.local.numel() for rp in trainable], self.bucket_numel)
             # the last bucket exists even when empty: it carries the flags
             layout = [[trainable[k] for k in run] for run in runs] or [[]]
             self._layouts[key] = layout
@@ -99,7 +99,7 @@ class ReplicatedReducer:
         if self.world_size > 1:  # the flags travel with the gradients ([Note: flags without a wait])
             buf = torch.cat(parts + [_upload(flags, self.device)])
             buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
-            work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
+            work = collectives.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
             grads = list(buf.split([p.numel() for p in parts] + [flags.numel()]))[:-1]
         self._launched.append(_Launched(bucket, grads, buf, flags, work))
 
@@ -117,7 +117,7 @@ class ReplicatedReducer:
         ``extra_flags`` of ``launch_rest``, a value > 0 where any rank set it (their sum over the world, or this
         rank's own flags where it set every one)."""
         for launched in self._launched:
-            C.wait(launched.work, self.log)
+            collectives.wait(launched.work, self.log)
         summed = [launched.flags for launched in self._launched]  # [Note: flags without a wait]
         if self.world_size > 1 and not all(bool(f.all()) for f in summed):
             n = [f.numel() for f in summed]  # a flag this rank lacks: every bucket's summed flags in one read

@@ -83,14 +83,14 @@ def every_rank_failed(grace: float = GRACE_S) -> bool:
 
 
 def on_failure(reset: Callable[[bool], None], grace: float = GRACE_S) -> bool:
-    """On an exception in ``fit``/``validate``/...: ``reset(alike)`` puts the engine back (``alike``: every rank
-    failed alike, so the groups stay and every rank issued the same collectives); then, unless alike, every
+    """On an exception in ``fit``/``validate``/...: ``reset(on_every_rank)`` puts the engine back (``on_every_rank``:
+    every rank failed the same way, so the groups stay and every rank issued the same collectives); then, unless so, every
     process group is destroyed so that the peers' collectives fail now rather than at ``timeout``. True if the
     groups were destroyed."""
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    alike = not distributed or every_rank_failed(grace)
-    reset(alike)
-    if alike:
+    on_every_rank = not distributed or every_rank_failed(grace)
+    reset(on_every_rank)
+    if on_every_rank:
         return False
     T.release_all_groups()
     return True

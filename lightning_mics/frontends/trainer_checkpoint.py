@@ -115,7 +115,7 @@ def _as_sharded_state(strategy: Strategy, state_dict: Any) -> Dict[str, Any]:
     own = ckpt.model_state(strategy.lightning_module, strategy._live_engine())
     names = hashlib.sha1("\n".join(sorted(map(str, state_dict))).encode()).hexdigest() \
         if isinstance(state_dict, Mapping) else None
-    if not steps.alike(names) or names is None:
+    if not steps.same_on_every_rank(names) or names is None:
         if names is not None:
             rank_zero_warn("MiCSStrategy: the checkpoint's state_dict holds other names on some ranks than on rank "
                            "0 (an on_save_checkpoint hook that edits it on one rank only); the module's shards are "

@@ -12,7 +12,7 @@ own shards, with the callback's own ``avg_fn`` / ``multi_avg_fn``, and holds 1/s
 plain copy is freed. Everything else is the callback's code, unchanged:
 
 - validation swaps average and parameters with ``.data.copy_`` and back: writes between steps
-  ([Note: writes between steps] in lent.py, [Note: rows between steps] in optimizer_rows.py), which the engine takes as
+  ([Note: writes between steps] in user_code/write_back.py, [Note: rows between steps] in optimizer_rows.py), which the engine takes as
   any other;
 - ``on_save_checkpoint`` puts the shadow's state dict (the module's keys, DTensors of the module's placements) in
   ``state_dict``, which the sharded save writes as the model's, and the module's own in ``current_model_state``
@@ -35,7 +35,7 @@ for a shadow the same way (its state dict the module's keys, DTensors of the mod
 checkpoint state: [Note: DTensors beside the model]). The rest is its code: the ``SWALR`` schedule put in place of
 the user's, the average copied into the parameters (writes between steps) and, for a model with batch norm, the extra
 epoch of forwards without backward that recomputes the running statistics, whose closing step reuses the last
-gradients ([Note: evaluations inside a step] in schedule.py). The same refusal under ZeRO-1 with mixed precision.
+gradients ([Note: evaluations inside a step] in user_code/boundary.py). The same refusal under ZeRO-1 with mixed precision.
 """
 
 from __future__ import annotations

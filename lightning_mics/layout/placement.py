@@ -237,11 +237,11 @@ class ShardedParam(_Placed):
         region = flat_shard[offset:offset + rows.padded_numel].view(rows.chunk, *self.shape[1:])
         self.padded = region  # (c, *rest); rows past local_rows stay zero
         self.local = region[: rows.local_rows]  # the chunk this rank holds (and gathers from)
-        self.stepped = self.local[rows.sub_lo:rows.sub_hi] if over_replicas else self.local  # the optimizer's rows
-        self.sharded = nn.Parameter(as_dtensor(self.stepped, self.spec), requires_grad=orig.requires_grad)
+        self.optimizer_local = self.local[rows.sub_lo:rows.sub_hi] if over_replicas else self.local  # the optimizer's rows
+        self.sharded = nn.Parameter(as_dtensor(self.optimizer_local, self.spec), requires_grad=orig.requires_grad)
         self._watch_rebinding()
         # what a sharded checkpoint holds: the chunk, in the layout without optimizer rows over replicas
-        self.held = as_dtensor(self.local, make_spec(mesh, True, orig.shape, flat_shard.dtype,
+        self.checkpoint_view = as_dtensor(self.local, make_spec(mesh, True, orig.shape, flat_shard.dtype,
                                                      tp_placement(orig))) if over_replicas else self.sharded
         self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer): make_full
         self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
@@ -268,7 +268,7 @@ class ShardedParam(_Placed):
     def reattach(self, view: Tensor) -> None:
         """``p.data = x`` on the plain parameter (a rebinding, not a write in place) moved it off ``view``, the unit's
         storage: its values go into ``view`` and it views that again, so the write is taken as any other
-        ([Note: writes between steps] in lent.py). A DTensor's ``.data = x`` leaves its local tensor as it was
+        ([Note: writes between steps] in user_code/write_back.py). A DTensor's ``.data = x`` leaves its local tensor as it was
         (torch)."""
         if self.full is not None and self.tp_spec is None and self.full.data_ptr() != view.data_ptr():
             view.copy_(self.full.data)
@@ -303,7 +303,7 @@ class ReplicatedParam(_Placed):
         self._watch_rebinding()
         self.full = nn.Parameter(as_dtensor(data, self.tp_spec) if self.tp_spec is not None else data,
                                  requires_grad=orig.requires_grad)
-        self.held = self.sharded  # what a sharded checkpoint holds (as ``ShardedParam.held``)
+        self.checkpoint_view = self.sharded  # what a sharded checkpoint holds (as ``ShardedParam.checkpoint_view``)
 
     def local_rows_of(self, full: Tensor) -> Tensor:
         """This rank's part of a global tensor: the tensor-parallel part, or the whole tensor."""

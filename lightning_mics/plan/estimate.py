@@ -194,7 +194,7 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0, repl
         grads += sum(buckets) * 4 if master == 4 else \
             sum(math.prod(p.shape) for u in units for p in u.replicated if p.trainable) * master
     if _zero1(st, s):  # the pinned root: its full parameters (gathered dtype) stay on every rank, and a copy of the
-        # masters they were filled from ([Note: masters moved outside a step] in lent.py)
+        # masters they were filled from ([Note: masters moved outside a step] in user_code/write_back.py)
         params += units[0].full_numel * st.dtypes()[1] + units[0].shard_numel * master
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
