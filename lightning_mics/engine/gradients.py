@@ -300,21 +300,19 @@ class UnitGrads:
 
 
 # [Note: replica sync overlap]
-# In the boundary micro-batch the replica all-reduce of a unit's accumulator starts as soon as the unit's last
-# reduce-scatter of this backward is finished, while the backward of the units before it still runs (as DDP and
-# FSDP2 HSDP start cross-replica traffic per bucket); the end of backward waits for all of them before the
-# optimizer step. Collectives on one group must be issued in the same order on every rank, whatever the timing:
-# the all-reduces are issued in the fixed order ``reversed(units)`` (the usual backward order), a unit only after
-# every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
-# order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
-# adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
-# A reduce-scatter normally stays in flight while the next unit's backward runs; but the first unit of the
-# boundary backward finishes its reduce-scatter at once and issues its all-reduce: waiting for the next unit's
-# backward would leave the replica link idle (``_link_waits_for``; the issue order is unchanged, only the moment
-# of the issue, decided by the program alone, never by whether a collective has completed).
-# The world all-reduce of the used-flags (and of the replicated parameters' last bucket) is issued at the end
-# of backward before anything is waited for, so its round trip across the slow link overlaps the replica
-# all-reduce's transfer instead of following it.
+# In the boundary micro-batch a unit's replica all-reduce starts as soon as its last reduce-scatter of the backward
+# has finished, while the backward of the units before it still runs (as DDP and FSDP2's HSDP do per bucket); the
+# end of backward waits for all of them before the optimizer step. Collectives on one group must be issued in the
+# same order on every rank, whatever the timing: the all-reduces go in the fixed order ``reversed(units)`` (the
+# usual backward order), a unit only after every unit before it, and what the backward did not issue goes at the
+# end in the same order. A
+# reduce-scatter otherwise stays in flight through the next unit's backward, but the first unit's is finished at
+# once and its all-reduce issued, so the replica link does not wait (``_link_waits_for``): the program alone decides
+# the moment of an issue, never whether a collective has completed. A unit reduced again after its all-reduce was
+# issued (a gradient accumulated after its post-backward) adds the late part to a second buffer all-reduced at the
+# end: AR(a) + AR(b) = AR(a + b). The world all-reduce of the used-flags (the replicated parameters' last bucket)
+# is issued at the end of backward before anything is waited for, so its round trip over the slow link overlaps
+# the replica all-reduces' transfer instead of following it.
 #
 # [Note: quantized replica sync]
 # With ``quantize_gradients`` each bucket's replica all-reduce is two collectives on the replica group with local

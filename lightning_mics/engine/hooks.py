@@ -2,27 +2,22 @@
 decide nothing themselves (FSDP2's ``FSDPState`` role).
 
 [Note: one optimizer step]
-forward, unit by unit:  the outermost entry into a unit (its module, or for the root any module holding a root
-                        parameter) finishes its all-gather (issued earlier by a prefetch, or now), swaps the full
-                        parameters into the modules and prefetches the next units ([Note: prefetch] in
-                        schedule.py); when the last nested call returns, the unit is released (or kept for
-                        backward) and hooks its outputs for backward.
-backward, reverse:      a hook on the unit's outputs gathers it again; the unit's gradients are complete when an
-                        autograd function on its inputs fires (or, for a unit whose inputs need no gradient, when
-                        every trainable parameter's gradient has been accumulated): they are reduce-scattered in
-                        the shard group (async) into the unit's accumulator and the unit is released
-                        (gradients.py).
-end of backward:        a callback on the autograd engine reduces what is left, then, only at an accumulation
-                        boundary (Lightning's block_backward_sync marks the others), all-reduces the accumulators
-                        across the replica group (MiCS 2-hop sync) and the replicated parameters' gradients
-                        across the world, and adds the result to the DTensor parameters' ``.grad`` (added, as
-                        plain PyTorch does, when the user has not zeroed them).
+forward, unit by unit:  the outermost entry into a unit (for the root: any module holding a root parameter) waits
+                        for its all-gather (prefetched, or issued now), swaps the full parameters in and prefetches
+                        the next units ([Note: prefetch] in schedule.py); the last nested return releases the unit
+                        (or keeps it for backward) and hooks its outputs.
+backward, reverse:      a hook on those outputs gathers it again; when an autograd function on its inputs fires
+                        (inputs needing no gradient: when every trainable parameter's gradient has accumulated),
+                        its gradients are reduce-scattered (async, shard group) into its accumulator and the unit
+                        is released (gradients.py).
+end of backward:        a callback reduces the rest; at an accumulation boundary only (block_backward_sync marks the
+                        others) it all-reduces the accumulators over the replicas (MiCS's 2-hop sync) and replicated
+                        gradients over the world, and adds the sums into the DTensors' ``.grad`` (unzeroed ones accumulate).
 optimizer step:         the user's optimizer steps the DTensor shards ([Note: placement] in placement.py); after it
-                        ([Note: steps the engine hears of] in user_code/optimizer_watch.py) any unit that is still
-                        gathered is refreshed (manual optimization steps inside the root's forward) and stale
-                        prefetches are dropped (``Schedule.after_optimizer_step``). What user code does between
-                        these events reaches the engine through [Note: the user-code boundary] in
-                        user_code/boundary.py.
+                        ([Note: steps the engine hears of] in user_code/optimizer_watch.py) a unit still gathered
+                        (a manual step inside the root's forward) is refreshed and stale prefetches are dropped
+                        (``Schedule.after_optimizer_step``). User code between these events reaches the engine
+                        through [Note: the user-code boundary] in user_code/boundary.py.
 
 [Note: hooks under torch.compile]
 Dynamo would trace into the forward hooks (they wait on collectives, resize storages, swap module attributes and wrap

@@ -20,19 +20,14 @@ that unit is gathered when it runs. So the live elements never exceed the cap pl
 buffers and its full storage together, for the copy-out).
 
 [Note: keep for backward]
-Releasing a unit at the end of its forward and gathering it again at the start of its backward is waste for
-the units whose backward comes first: the root (the loss is computed in it) and the last unit to start its
-forward. Those stay gathered from forward into backward when grad is enabled (FSDP2 does the same for its
-root), within the cap; anything kept and not used is released at the end of backward, at the next iteration,
-or after an optimizer step. Inside an accumulation window (micro-batches before the boundary) the root also
-stays gathered from one micro-batch's backward into the next one's forward, where it is needed first: the
-parameters cannot change before the optimizer step, whose hook releases it. Kept units are idle, so the cap
-evicts them first when something must be gathered ([Note: live cap]).
-
-``reshard_after_forward=False`` keeps *every* unit gathered from its forward into its backward: one all-gather
-per unit per micro-batch instead of two, for models whose gathered parameters fit. The cap still holds: kept
-units are idle, so gathering the next unit evicts the earliest kept ones first, which are then gathered again
-in backward.
+The units whose backward comes first, the root (it computes the loss) and the last unit to start its forward,
+stay gathered from forward into backward when grad is enabled (as FSDP2 keeps its root): releasing and gathering
+them again is waste. Inside an accumulation window the root also stays gathered from one micro-batch's backward
+into the next one's forward, which needs it first: the parameters cannot change before the optimizer step, whose
+hook releases it. ``reshard_after_forward=False`` keeps *every* unit from its forward into its backward (one
+all-gather per unit per micro-batch instead of two). Kept units are idle, so when something must be gathered the
+cap evicts them first, the earliest kept first, to be gathered again in backward ([Note: live cap]); what is kept
+and not used is released at the end of backward, at the next iteration, or after an optimizer step.
 """
 
 from __future__ import annotations
