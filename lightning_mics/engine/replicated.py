@@ -2,27 +2,26 @@
 
 [Note: replicated gradients]
 Parameters below ``param_persistence_threshold`` (and every parameter when s == 1) are whole on every rank;
-autograd accumulates their local gradient into the plain twin's ``.grad`` over the micro-batches of a window.
-In the boundary micro-batch's backward, a parameter is *ready* when its post-accumulate-grad hook fires.
-Buckets are fixed runs of the trainable replicated parameters in reverse registration order (roughly the
-order backward produces them), of at most ``min(reduce_bucket_size, DDP's 25 MiB)``; bucket k is all-reduced
-(async, world group, pre-scaled by 1/W) as soon as all its parameters are ready and buckets 0..k-1 have gone,
-so every rank issues the same collectives in the same order. The last bucket also carries one flag per
-trainable parameter of the whole model (did this rank produce a gradient in the window?) and goes at the end of
-backward, when every flag is known, before anything is waited for (``launch_rest``, then ``finish``); a
-parameter no rank produced a gradient for keeps ``grad=None``, as in one plain process. After the wait, each
-summed gradient is added to the DTensor parameter's ``.grad`` (set where it is None).
+autograd accumulates their local gradient into the plain twin's ``.grad`` over a window's micro-batches. Buckets
+are fixed runs of the trainable replicated parameters in reverse registration order (roughly backward's order),
+of at most ``min(reduce_bucket_size, DDP's 25 MiB)``. In the boundary backward bucket k is all-reduced (async,
+world group, pre-scaled by 1/W) once its parameters are all *ready* (post-accumulate-grad hook fired) and buckets
+0..k-1 have gone, so every rank issues the same collectives in the same order. The last bucket also carries one
+flag per trainable parameter of the model (did this rank produce a gradient in the window?) and goes at the end
+of backward, when every flag is known, before anything is waited for (``launch_rest``, then ``finish``). After
+the wait each sum is added to the DTensor's ``.grad`` (set where None); a parameter no rank produced a gradient
+for keeps ``grad=None``, as in one plain process.
 
 [Note: flags without a wait]
 Reading a device tensor on the host waits for everything queued before it, and the host then has nothing queued
-for the device while it catches up: on one H100 (GPT-2 124M, ``benchmarks/single_gpu.py``) a read per bucket, and
-an upload of each bucket's flags from pageable memory, left the strategy at 0.50x of the bare loop's tokens/s.
-So: with one rank nothing is summed, the flags never leave the host, and the gradients are not copied into a
-bucket either (each goes to its DTensor parameter as it is). With more, each bucket's flags go up pinned
-and non-blocking. A summed flag is at least this rank's own, so a rank that produced every gradient knows every
-answer (yes) and reads nothing; a rank that lacks one reads every bucket's summed flags in one copy after the last
-wait (the ``None`` of a gradient no rank produced is decided on the host). Ranks that answer from their own flags
-and ranks that read agree: where a flag is this rank's, the sum is positive on every rank.
+for the device while it catches up: a read per bucket, or an upload of each bucket's flags from pageable memory,
+halves a single GPU's tokens/s against the bare loop. So with one rank nothing is summed, the flags never leave the
+host, and the gradients are not copied into a bucket either (each goes to its DTensor parameter as it is). With
+more, each bucket's flags go up pinned and non-blocking. A summed flag is at least this rank's own, so a rank that
+produced every gradient knows every answer (yes) and reads nothing; a rank that lacks one reads every bucket's
+summed flags in one copy after the last wait (the ``None`` of a gradient no rank produced is decided on the host).
+Ranks that answer from their own flags and ranks that read agree: where a flag is this rank's, the sum is positive
+on every rank.
 """
 
 from __future__ import annotations
