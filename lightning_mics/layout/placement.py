@@ -1,22 +1,18 @@
 """Explicit placement: every parameter the optimizer sees is a DTensor on the (replicate, shard) mesh.
 
 [Note: placement]
-A *sharded* parameter of shape (d0, *rest) is cut on dim 0 into s chunks of c = ceil(d0 / s) rows
-(``torch.chunk``'s rows, the last chunks shorter or empty). Rank j of a shard group keeps chunk j, zero-padded
-to c rows, inside its unit's flat shard ([Note: rank-major layout] in collectives.py). The optimizer sees a
-DTensor with placements (Replicate(), Shard(0)) whose local tensor is the *unpadded* rows of that chunk, a
-view into the flat shard: an optimizer step writes the flat shard in place, and the next all-gather reads it.
-Its gradient is a DTensor with the same spec. This is FSDP2's ``FSDPParam`` layout, and DTensor's own
-uneven Shard(0) rule gives exactly these rows, so DCP, ``full_tensor()`` and redistribution all agree with it.
-
-A *replicated* parameter (small, or s == 1) is a DTensor with placements (Replicate(), Replicate()) whose
-local tensor is the whole parameter. Its plain twin (a Parameter over the same storage) is what the modules
-hold while their unit runs, and what autograd accumulates the local gradient into.
-
-While a unit runs, its modules hold plain *full* parameters: for sharded ones, views into the unit's gathered
-buffer (storage freed while the unit is sharded); for replicated ones, the plain twin. Consumers (clipping,
-checkpoints, the full state dict, the optimizer-state gather) read placement from the DTensor, never from
-shapes or ids.
+A *sharded* parameter of shape (d0, *rest) is cut on dim 0 into s chunks of c = ceil(d0 / s) rows (torch.chunk's
+rows, the last chunks shorter or empty); rank j of a shard group keeps chunk j, zero-padded to c rows, in its
+unit's flat shard ([Note: rank-major layout] in collectives.py). The optimizer sees a DTensor placed (Replicate(),
+Shard(0)) whose local tensor is the chunk's *unpadded* rows, a view into the flat shard: a step writes the flat
+shard in place, and the next all-gather reads it. Its gradient has the same spec. This is FSDP2's ``FSDPParam``
+layout, and DTensor's own uneven Shard(0) rule gives exactly these rows, so DCP, ``full_tensor()`` and
+redistribution agree with it. A *replicated* parameter (small, or s == 1) is a DTensor placed (Replicate(),
+Replicate()) holding the whole parameter; its plain twin (a Parameter over the same storage) is what the modules
+hold while their unit runs and what autograd accumulates the local gradient into. While a unit runs, its modules
+hold plain *full* parameters: views into its gathered buffer (storage freed while sharded), or the plain twins.
+Consumers (clipping, checkpoints, the full state dict, the optimizer-state gather) read placement from the
+DTensor, never from shapes or ids.
 
 [Note: tensor-parallel placement]
 With a "tp" mesh axis the user's plan has already made some parameters DTensors on it (ColwiseParallel:
