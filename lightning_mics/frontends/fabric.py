@@ -5,18 +5,17 @@ strategy in ``frontends/trainer.py``), with the same options (:class:`lightning_
 ``L.Fabric(strategy="mics")`` works, as does ``L.Fabric(strategy=lightning_mics.fabric.MiCSStrategy(...))``.
 
 [Note: Fabric's loop]
-- ``fabric.setup(model, optimizer)``: the module is sharded (an engine per module, all on one mesh) and the
-  optimizer, built over the plain parameters, is moved onto the shards. ``fabric.setup_module(model)`` then an
-  optimizer built from ``model.parameters()`` and ``fabric.setup_optimizers(optimizer)`` does the same in two
-  steps; an optimizer built before ``setup_module`` and set up after it is refused (its parameters are no longer
-  the module's). ``fabric.init_module(empty_init=True)`` creates the model on the meta device; setting it up
-  materializes only this rank's shards ([Note: sharded initialization] in materialize.py).
-- ``with fabric.no_backward_sync(model, enabled=is_accumulating): fabric.backward(loss)``: every backward
-  reduce-scatters its gradients inside the sharding group into the sharded accumulator; the replica all-reduce
-  runs only at a backward outside the context (or with ``enabled=False``): MiCS's 2-hop sync. Without the context
-  every backward pays it, and the gradients add up alike. Gradients stay sharded throughout.
-- ``fabric.clip_gradients``: by norm over the unsharded model's gradients (clip.py), or by value on the shards.
-- The module called anywhere (evaluation, sampling) gathers its units as during training: full parameters.
+- ``fabric.setup(model, optimizer)`` shards the module (an engine per module, all on one mesh) and moves the
+  optimizer, built over the plain parameters, onto the shards; so do ``setup_module`` and then ``setup_optimizers``
+  of an optimizer over ``model.parameters()``. One built before ``setup_module`` and set up after it is refused (its
+  parameters are no longer the module's). Under ``init_module(empty_init=True)`` setup materializes only this
+  rank's shards ([Note: sharded initialization] in materialize.py).
+- ``fabric.no_backward_sync(model, enabled=is_accumulating)`` around ``fabric.backward``: every backward
+  reduce-scatters in the shard group into the sharded accumulator, and the replica all-reduce (MiCS's 2-hop sync)
+  runs only at a backward outside the context or with ``enabled=False``; without the context every backward pays
+  it, with the same sums. Gradients stay sharded throughout.
+- ``fabric.clip_gradients`` clips by norm over the unsharded model's gradients (clip.py) or by value on the shards;
+  the module called anywhere (evaluation, sampling) gathers its units as in training: full parameters.
 """
 
 from __future__ import annotations

@@ -319,8 +319,8 @@ def point_at_shards(optimizer: torch.optim.Optimizer) -> None:
 
 def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where: str) -> None:
     """Refuses an optimizer built over parameters that are not the sharded module's (built too early), and one
-    whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer),
-    before any step."""
+    whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer;
+    [Note: optimizer probes] in optimizer_support.py), before any step."""
     ours = {id(p) for p in engine.sharded_params()}
     for group in optimizer.param_groups:  # (one it holds may step other parameters: watched, not refused)
         for p in group["params"]:
