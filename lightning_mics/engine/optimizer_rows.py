@@ -43,13 +43,13 @@ The residuals (the contribution's r x row elements in the reduction dtype, the d
 go into sharded checkpoints ([Note: residuals in checkpoints] in checkpoint/feedback.py).
 
 [Note: rows when a run ends]
-A run that ends well exchanges what is stale or written (``exchange``, in ``Schedule.release_idle``), so the next run (a second
-``fit`` in the same process, a state dict of a module left sharded) starts from the same parameters on every
-replica. After a failure (``drop``, no collective issued: a peer may be gone) an exchange in flight is given until
-the failure grace to complete ([Note: a lone failure] in reliability.py) and taken if it did; either way every
-unit is marked stale with its *rows* due next, also with int8 deltas: ranks may have taken different exchanges,
-and the next one (every rank alike, after a failure on every rank, whose groups are kept) sends the rows
-themselves, after which the replicas agree whatever arrived before.
+A run that ends well exchanges what is stale or written (``exchange``, in ``Schedule.release_idle``), so the next
+run (a second ``fit`` in the same process, a state dict of a module left sharded) starts from the same parameters
+on every replica. After a failure (``drop``, no collective issued: a peer may be gone) an exchange in flight is
+given until the failure grace ([Note: a failure on every rank] in reliability.py) to complete and is taken if it
+did; either way every unit is marked stale with its *rows* due next, also with int8 deltas: ranks may have taken
+different exchanges, and the next one (every rank alike, after a failure on every rank, whose groups are kept)
+sends the rows themselves, after which the replicas agree whatever arrived before.
 """
 
 from __future__ import annotations
