@@ -108,7 +108,7 @@ def _as_sharded_state(strategy: Strategy, state_dict: Any) -> Dict[str, Any]:
     """The state dict Lightning's dump handed over, as the ``on_save_checkpoint`` hooks left it, for a sharded save,
     as DDP saves it: an entry of the module's in the module's sharded layout (``checkpoint_model_state``'s shards,
     or ``WeightAveraging``'s average in their place: under ZeRO-1 plain copies, sliced here;
-    [Note: weight averaging over the shards] in weight_averaging.py); an entry a hook removed stays out (a finetuning
+    [Note: averages in checkpoints] in weight_averaging.py); an entry a hook removed stays out (a finetuning
     run saving its trainable weights only) and one it added is saved as given. DCP needs the same names on every rank
     (the hooks run on every rank); if the ranks disagree (a hook that edited on rank 0 alone), the module's shards are
     saved instead, with a warning. Collective."""
