@@ -1,6 +1,6 @@
 """The torch fallback of the quantized ops, bit-identical to quant_pack.py / quant_unpack.py.
 
-Same arithmetic in the same order as the kernels (see [Note: quantized wire format] in
+Same arithmetic in the same order as the kernels (see [Note: quantized block rule] in
 _quant_layout.py): fp32 inputs (+ residual), absmax / 127, x / scale clamped and rounded half to
 even (torch.round), float(q) * scale, and for the sum an fp32 accumulation over chunks 0, 1, ...
 starting from 0. Inputs arrive checked; callers run these under torch.no_grad().

@@ -2,8 +2,8 @@
 
 Beside ``collectives.py`` and shaped like it: plain functions that take the tensors and the group and return
 NamedTuples. The int8 wire format, the scale rule, the non-finite rule and the per-block error bound are those of
-``triton_kernels`` ([Note: quantized wire format] in triton_kernels/_quant_layout.py); the kernels run in Triton
-on CUDA and in their bit-identical torch fallback elsewhere.
+``triton_kernels`` ([Note: quantized wire format] and [Note: quantized block rule] in triton_kernels/_quant_layout.py);
+the kernels run in Triton on CUDA and in their bit-identical torch fallback elsewhere.
 
 [Note: quantized all-reduce]
 A sum over the r ranks of ``group`` of a flat of n elements, never summed in int8 (ZeRO++'s qgZ, one hop):
