@@ -25,18 +25,18 @@ inputs in an autograd Function) and fail there. They are ``torch.compiler.disabl
 hooks: a compiled model breaks its graph at each unit's entry and exit, runs the hook eagerly and compiles what lies
 between. The backward hooks (tensor hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd
 engine, outside dynamo. Compiled autograd would trace them: the first backward hook refuses it with a RuntimeError on
-every rank (it failed inside dynamo at ``queue_callback`` without ``fullgraph``, and hung with it).
+every rank (traced, they fail inside dynamo at ``queue_callback`` without ``fullgraph``, and hang with it).
 
 [Note: calls outside the precision's context]
 Under a mixed precision (``param_dtype`` narrower than the masters' dtype) the units lend ``param_dtype`` copies,
 and the forwards run under the precision's autocast: Lightning's step contexts, Fabric's module. A call from
-outside them (a callback that calls a submodule on an fp32 tensor, ``fabric_model.module(x)``) met bf16 weights
-without autocast and failed (``mat1 and mat2 must have the same dtype``), where DDP's fp32 weights compute it. So
-an outermost entry into a unit while autocast is off runs that call under autocast in ``param_dtype``, as the
-training forward runs: the layers autocast keeps in fp32 (a LayerNorm, its weights possibly replicated fp32) stay
-so, fp32 inputs are cast where a matmul meets the copies, and the output is what a training forward's is. The
-context is left when that call returns or raises (the post-forward hook runs on both). Inside the precision's
-context nothing changes.
+outside them (a callback that calls a submodule on an fp32 tensor, ``fabric_model.module(x)``) would meet bf16
+weights without autocast and fail (``mat1 and mat2 must have the same dtype``), where DDP's fp32 weights compute
+it. So an outermost entry into a unit while autocast is off runs that call under autocast in ``param_dtype``, as
+the training forward runs: the layers autocast keeps in fp32 (a LayerNorm, its weights possibly replicated fp32)
+stay so, fp32 inputs are cast where a matmul meets the copies, and the output is what a training forward's is.
+The context is left when that call returns or raises (the post-forward hook runs on both). Inside the
+precision's context nothing changes.
 """
 
 from __future__ import annotations
