@@ -12,8 +12,7 @@ those two views. Per element, quantize reads the input once for the block absmax
 |x| temporary), once for x / scale (into the one fp32 temporary, clamped and rounded in place) and
 writes int8 once; dequantize is one int8 x fp32 multiply written straight into its output when
 that output is one fp32 tensor of the chunks' size. Only blocks that hold a NaN or an inf take an
-extra pass (their values are zeroed before the int8 cast). Before and after: benchmarks/LOG.md,
-"The torch fallback of the quantized ops".
+extra pass (their values are zeroed before the int8 cast).
 """
 
 from __future__ import annotations
