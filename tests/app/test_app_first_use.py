@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from lightning_mics.app.models.lit_gpt import warmup_cosine
 from tests.helpers.app import TINY, run_app, run_app_forked
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _lr_at(metrics: Path, step: int) -> float:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.helpers.app import COMMAND, MICS_TINY, TINY, app_env, run_app as _run, run_app_forked
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _check_run_dir(run_dir: Path, out: str) -> dict:

@@ -5,7 +5,7 @@ into bytes per step, the summary and ratios over the runs' records, the table an
 on a one-rank gloo group. The real run starts the benchmark as a user does (two network namespaces, a shaped veth,
 ``torchrun`` on each host, a tiny GPT, two cases) and checks what it wrote against itself and against physics:
 bytes the collectives must move, counted three independent ways (the veth's counters, the clock's wrapper, the
-strategy's telemetry). Like tests/test_two_hosts.py it skips, saying why, only where namespaces cannot be made
+strategy's telemetry). Like tests/layout/test_two_hosts.py it skips, saying why, only where namespaces cannot be made
 (not root, no CAP_NET_ADMIN, no ``ip``); the benchmark's modules are imported unconditionally.
 """
 

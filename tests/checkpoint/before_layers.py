@@ -1,6 +1,6 @@
-"""One rank of tests/test_checkpoints_before_layers.py: a Trainer (2 ranks, s = 2, AdamW) on a tiny module.
+"""One rank of tests/checkpoint/test_checkpoints_before_layers.py: a Trainer (2 ranks, s = 2, AdamW) on a tiny module.
 
-``--write DIR --kind sharded|full`` trains 3 steps and saves (how tests/fixtures/before_layers/ was made, with the
+``--write DIR --kind sharded|full`` trains 3 steps and saves (how tests/checkpoint/before_layers/ was made, with the
 package as it was before its folders by layer, commit 11b1c00); ``--resume CKPT`` resumes that checkpoint for one
 more step and reports the parameters after it and the step it resumed at.
 """

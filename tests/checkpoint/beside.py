@@ -36,9 +36,9 @@ import lightning as L  # noqa: E402
 
 from lightning_mics import consolidate  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
-from tests.scripts.compat import BATCH, Base, Net, classification_data, loader, main, params  # noqa: E402
-from tests.scripts.compat import strategy_for, trainer_for  # noqa: E402
-from tests.scripts.writes import strategy_of, whole  # noqa: E402
+from tests.trainer.compat import BATCH, Base, Net, classification_data, loader, main, params  # noqa: E402
+from tests.trainer.compat import strategy_for, trainer_for  # noqa: E402
+from tests.user_code.writes import strategy_of, whole  # noqa: E402
 
 RATE = 0.3
 

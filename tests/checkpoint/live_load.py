@@ -16,7 +16,7 @@ import torch
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import tests.scripts.fabric_loop as FL  # noqa: E402
+import tests.fabric.fabric_loop as FL  # noqa: E402
 
 LAYOUTS = {"zero1": dict(s=1, shard_optimizer_state=True), "mics": dict(s=2)}
 

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.scripts.equiv import Module, data, reference  # noqa: E402
+from tests.engine.equiv import Module, data, reference  # noqa: E402
 
 
 def main():

@@ -1,4 +1,4 @@
-"""One rank of the checkpoint tests (tests/test_sharded_checkpoint.py). ``--phase`` (repeatable, run in order):
+"""One rank of the checkpoint tests (tests/checkpoint/test_sharded_checkpoint.py). ``--phase`` (repeatable, run in order):
 
 save    (4 ranks, s=2) uninterrupted 6 steps (2 epochs of 3); 3 steps saving sharded (ModelCheckpoint at the end
         of epoch 0) and full; both resumed to 6; the sharded one loaded at s=4; consolidate; bad checkpoints.
@@ -36,7 +36,7 @@ import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.checkpoint import state as ckpt  # noqa: E402
 from lightning_mics.layout.placement import is_sharded  # noqa: E402
-from tests.scripts.equiv import VOCAB, TiedFrozen, data, make_optimizer  # noqa: E402
+from tests.engine.equiv import VOCAB, TiedFrozen, data, make_optimizer  # noqa: E402
 
 EXTRA = {}  # --extra: more strategy options for every run of this process
 THRESHOLD = 100  # biases stay replicated; every matrix is sharded, tiny.weight (3 rows) leaves rank 3 of s=4 none

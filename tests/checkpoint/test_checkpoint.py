@@ -5,7 +5,7 @@ import pytest
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "resume.py"
+SCRIPT = REPO / "tests" / "checkpoint" / "resume.py"
 
 
 def test_save_resume_reshard(tmp_path):

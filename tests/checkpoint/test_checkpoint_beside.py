@@ -1,6 +1,6 @@
 """DTensors a checkpoint holds beside the model ([Note: DTensors beside the model] in
 ``lightning_mics/checkpoint/beside.py``): a hand-written EMA of the parameters, kept as clones of them and saved
-from ``on_save_checkpoint`` (Trainer) or as an entry of ``fabric.save``'s dict (``tests/scripts/beside.py``).
+from ``on_save_checkpoint`` (Trainer) or as an entry of ``fabric.save``'s dict (``tests/checkpoint/beside.py``).
 
 Rank 0 alone writes those entries. Before, every rank read rank 0's shards back: the resumed fit failed at its
 first ``lerp_`` (a shard of 19 rows against 18, 2 ranks), and with even shards it would have averaged into the
@@ -13,7 +13,7 @@ from tests.helpers.cases import CaseRuns, max_diff
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "beside.py"
+SCRIPT = REPO / "tests" / "checkpoint" / "beside.py"
 # (kind, world): s = 2 with 1 and 2 replicas, the rows over replicas, the full format, ZeRO-1 (plain parameters)
 LAYOUTS = [("mics", 2), ("mics_os", 4), ("mics_full", 4), ("zero1", 2)]
 

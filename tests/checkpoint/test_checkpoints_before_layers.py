@@ -1,5 +1,5 @@
 """Checkpoints written before the package was laid out in folders by layer still load: a Trainer's sharded
-directory and full file (tests/fixtures/before_layers/, written by tests/scripts/before_layers.py at commit
+directory and full file (tests/checkpoint/before_layers/, written by tests/checkpoint/before_layers.py at commit
 11b1c00) are consolidated into the same state and resume under the Trainer to the same parameters."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 import lightning_mics
 from tests.helpers.launch import REPO, run_ranks
 
-FIXTURES = REPO / "tests" / "fixtures" / "before_layers"
+FIXTURES = REPO / "tests" / "checkpoint" / "before_layers"
 
 
 def test_the_old_sharded_directory_consolidates_to_the_old_full_file():
@@ -27,7 +27,7 @@ def test_old_checkpoints_resume_under_the_trainer(tmp_path):
     for kind in ("sharded", "full"):
         out = tmp_path / kind
         out.mkdir()
-        res = run_ranks(REPO / "tests" / "scripts" / "before_layers.py", 2,
+        res = run_ranks(REPO / "tests" / "checkpoint" / "before_layers.py", 2,
                         ["--kind", kind, "--resume", str(FIXTURES / f"{kind}.ckpt")], out)
         assert res[0]["global_step"] == 4
         states.append(res[0]["state"])

@@ -1,5 +1,5 @@
 """Checkpoints through torch.distributed.checkpoint: exact resume, resharding, consolidation, file sizes, crash
-safety, clear errors. Real processes (gloo) run tests/scripts/sharded_ckpt.py: one 4-rank run (s=2) saves and
+safety, clear errors. Real processes (gloo) run tests/checkpoint/sharded_ckpt.py: one 4-rank run (s=2) saves and
 resumes; 2-rank and 1-rank runs load what it saved. References come from the full-state path
 (``lightning_module_state_dict`` and the consolidated optimizer state), which shares no code with DCP's."""
 
@@ -20,7 +20,7 @@ from lightning_mics.checkpoint import files as files
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "sharded_ckpt.py"
+SCRIPT = REPO / "tests" / "checkpoint" / "sharded_ckpt.py"
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +188,7 @@ def test_consolidate_equals_full_state_dict(saved, tmp_path):
     ref = torch.load(out / "ref_save.pt", weights_only=True)
     assert sorted(full["state_dict"]) == sorted(ref["state_dict"])
     assert all(torch.equal(full["state_dict"][k], v) for k, v in ref["state_dict"].items())
-    from tests.scripts.sharded_ckpt import Lit
+    from tests.checkpoint.sharded_ckpt import Lit
 
     Lit(3).load_state_dict(full["state_dict"], strict=True)
     same_point = lightning_mics.consolidate(out / "full.ckpt")  # a full file: read with weights_only=True
@@ -253,11 +253,11 @@ def test_interrupted_publish_is_recovered(tmp_path):
 
 
 def test_a_load_into_a_live_model_mid_loop_equals_the_straight_run(tmp_path):
-    """Fabric, 2 ranks (tests/scripts/live_load.py): save after 2 steps, one more step, load, the last 2 steps,
+    """Fabric, 2 ranks (tests/checkpoint/live_load.py): save after 2 steps, one more step, load, the last 2 steps,
     against 4 steps straight; sharded and full checkpoints. ZeRO-1's pinned unit is gathered when the load comes:
     before the load released it, the module went on computing with the replaced parameters and the next step took
     them back into the masters (0.28 from the straight run, both formats)."""
-    run_ranks(REPO / "tests" / "scripts" / "live_load.py", 2, [], tmp_path)
+    run_ranks(REPO / "tests" / "checkpoint" / "live_load.py", 2, [], tmp_path)
     result = json.loads((tmp_path / "result.json").read_text())
     assert sorted(result) == ["mics:full", "mics:sharded", "zero1:full", "zero1:sharded"], result
     for case, r in result.items():

@@ -1,4 +1,4 @@
-"""tests/scripts/equiv.py with the second collective of every chain issued at once, as on NCCL
+"""tests/engine/equiv.py with the second collective of every chain issued at once, as on NCCL
 ([Note: chained collectives] in lightning_mics/comm/collectives.py): on gloo the host waits for the first one at issue.
 The same arguments as equiv.py; the results in the same files."""
 

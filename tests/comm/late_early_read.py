@@ -1,6 +1,6 @@
 """equiv.py with one defect planted: a unit's all-gather output is read before its ``wait()`` (copied, then waited).
 On gloo's prompt collectives that nearly always reads the right numbers; under the late-collectives device it must
-not (tests/test_late_collectives.py: the device can fail a run)."""
+not (tests/comm/test_late_collectives.py: the device can fail a run)."""
 
 import runpy
 import sys

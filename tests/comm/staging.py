@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.scripts.equiv import Module, data, reference  # noqa: E402
+from tests.engine.equiv import Module, data, reference  # noqa: E402
 
 REDUCE_SCATTER = {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
 

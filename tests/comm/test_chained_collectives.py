@@ -2,7 +2,7 @@
 and the int8 all-reduce's all-to-all and all-gather, with local work between them.
 
 On NCCL the second collective is issued at once, from a side stream, so the compute stream never waits for the
-first one; on gloo when the result is first needed. Without a GPU, ``tests/scripts/chain_at_issue.py`` runs the
+first one; on gloo when the result is first needed. Without a GPU, ``tests/comm/chain_at_issue.py`` runs the
 NCCL form on gloo (the host waits for the first collective at issue): the same training must come out bit for bit
 equal to the gloo form, each group must see the same collectives in the same order, and both forms must equal
 their own run with every collective finishing 30 ms late ([Note: late collectives] in
@@ -19,8 +19,8 @@ from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
 
-EQUIV = REPO / "tests" / "scripts" / "equiv.py"
-AT_ISSUE = REPO / "tests" / "scripts" / "chain_at_issue.py"
+EQUIV = REPO / "tests" / "engine" / "equiv.py"
+AT_ISSUE = REPO / "tests" / "comm" / "chain_at_issue.py"
 ARGS = ["--model", "gpt", "--optimizer", "adamw", "--threshold", "0", "--layers", "3", "--steps", "3", "--accum",
         "2", "--clip", "1.0", "--late", "0.03", "--count", "--save-states"]
 VARIANTS = [

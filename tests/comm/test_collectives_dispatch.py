@@ -7,7 +7,7 @@ import pytest
 
 from tests.helpers.launch import REPO, run_ranks
 
-SCRIPT = REPO / "tests" / "scripts" / "equiv.py"
+SCRIPT = REPO / "tests" / "engine" / "equiv.py"
 pytestmark = pytest.mark.distributed
 
 SHARD = {0: [0, 1], 1: [0, 1], 2: [2, 3], 3: [2, 3]}
@@ -159,7 +159,7 @@ def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, preci
     the accumulation window, stages elsewhere until the boundary. Under bf16-mixed the fp32 input does not fit
     the bf16 storage: every unit stages in a buffer of its own. The result equals one plain process."""
     accum = 2
-    res = run_ranks(REPO / "tests" / "scripts" / "staging.py", 4, ["--accum", str(accum), "--steps", "2",
+    res = run_ranks(REPO / "tests" / "comm" / "staging.py", 4, ["--accum", str(accum), "--steps", "2",
                                                                    "--precision", precision], tmp_path)
     for r in res:
         root, blocks = r["units"][0], r["units"][1:]
@@ -210,7 +210,7 @@ def test_replica_all_reduce_starts_during_the_boundary_backward(tmp_path):
 def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(tmp_path):
     """The late part of an accumulator goes to a second buffer all-reduced at the end: the result equals one
     all-reduce of the sum, for buckets over consecutive and non-consecutive parameters (a frozen one between)."""
-    res = run_ranks(REPO / "tests" / "scripts" / "replica_sync.py", 4, [], tmp_path)
+    res = run_ranks(REPO / "tests" / "comm" / "replica_sync.py", 4, [], tmp_path)
     for r in res:
         assert len(r["results"]) == 6, r  # root + 2 blocks, 2 bucket sizes
         assert any(e["nonconsecutive"] for e in r["results"]), r
@@ -218,7 +218,7 @@ def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(tmp_path):
             assert e["err"] <= 1e-6 and not e["late_left"] and not e["issued"], e
 
 
-NAMES_SCRIPT = REPO / "tests" / "scripts" / "torch_names.py"
+NAMES_SCRIPT = REPO / "tests" / "comm" / "torch_names.py"
 
 
 @pytest.mark.parametrize("old_names", [False, True], ids=["torch-2.13-names", "older-torch-names"])

@@ -14,8 +14,8 @@ from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
 
-EQUIV = REPO / "tests" / "scripts" / "equiv.py"
-FABRIC = REPO / "tests" / "scripts" / "fabric_loop.py"
+EQUIV = REPO / "tests" / "engine" / "equiv.py"
+FABRIC = REPO / "tests" / "fabric" / "fabric_loop.py"
 BLOCK = "lightning_mics.app.models.gpt.Block"
 BASE = ["--model", "gpt", "--optimizer", "adamw", "--threshold", "0", "--layers", "3", "--steps", "3",
         "--accum", "2", "--clip", "1.0", "--late", "0.03"]
@@ -61,7 +61,7 @@ def _check_trainer(res, variants):
 
 
 def test_device_delays_reads_and_writes_in_flight(tmp_path):
-    res = run_ranks(REPO / "tests" / "scripts" / "late_device.py", 2, [], tmp_path)
+    res = run_ranks(REPO / "tests" / "comm" / "late_device.py", 2, [], tmp_path)
     for rank, r in enumerate(res):
         prompt, late = r["0.0"], r["0.2"]
         assert late["early"] == [0.0] * 8  # not yet written when read before wait()
@@ -92,7 +92,7 @@ def test_fabric_loops_equal_their_run_with_late_collectives(tmp_path):
 def test_a_read_before_wait_is_caught(tmp_path):
     """The device can fail a run: the same training with a unit's gathered parameters read before the
     all-gather's wait() ends elsewhere once the collectives finish late."""
-    res = run_ranks(REPO / "tests" / "scripts" / "late_early_read.py", 4,
+    res = run_ranks(REPO / "tests" / "comm" / "late_early_read.py", 4,
                     [*BASE, "--variants", json.dumps([{"s": 2}])], tmp_path)
     late = res[0]["variants"][0]["late"]
     assert sum(late["issued"].values()) > 0

@@ -1,12 +1,12 @@
 """lightning_mics/comm/quantized.py on real gloo ranks (2 and 4): the int8 all-reduce and all-gathers against exact
-float64 references, with bounds derived from the per-block error (tests/scripts/quant_collectives.py states them),
+float64 references, with bounds derived from the per-block error (tests/comm/quant_collectives.py states them),
 non-finite and zero blocks, odd sizes, error feedback, the async form, and the bytes the dispatcher sees."""
 
 import pytest
 
 from tests.helpers.launch import REPO, run_ranks
 
-SCRIPT = REPO / "tests" / "scripts" / "quant_collectives.py"
+SCRIPT = REPO / "tests" / "comm" / "quant_collectives.py"
 pytestmark = pytest.mark.distributed
 
 

@@ -1,4 +1,4 @@
-"""One process of tests/test_activations.py::test_what_checkpointing_keeps_alive: which blocks' inputs are still
+"""One process of tests/engine/test_activations.py::test_what_checkpointing_keeps_alive: which blocks' inputs are still
 alive when forward has ended, read through weak references to their storage (so whatever holds one counts:
 autograd's saved tensors, a checkpoint's saved inputs, any other reference), for each variant of checkpointing,
 under Fabric or the Trainer; then backward and a step run as usual, and how many inputs (the replays' too) are

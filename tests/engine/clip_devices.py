@@ -1,4 +1,4 @@
-"""One rank of tests/test_clip_devices.py: ``clip_grad_norm_`` (clip.py) on a (replicate 2, shard 2) gloo mesh of 4
+"""One rank of tests/engine/test_clip_devices.py: ``clip_grad_norm_`` (clip.py) on a (replicate 2, shard 2) gloo mesh of 4
 ranks, called directly on DTensor parameters laid out as the engine lays them out (a sharded one, Shard(0) over the
 shard dimension, and a replicated one), in three cases: every rank holds its gradients; the ranks of shard 1 hold
 none at all; no rank holds any. A dispatch mode records the device of every tensor the collectives reduce."""

@@ -1,4 +1,4 @@
-"""One rank of tests/test_compile.py: ``torch.compile`` under MiCS against DDP compiled the same way.
+"""One rank of tests/engine/test_compile.py: ``torch.compile`` under MiCS against DDP compiled the same way.
 
     python compiled.py --out DIR --front fabric|trainer|trainer-blocks|trainer-inplace|trainer-titan
                        --strategy mics|ddp [--options JSON] [--precision P]
@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCSStrategy  # noqa: E402
-from tests.scripts.compat import BATCH, Base, Net, classification_data  # noqa: E402
+from tests.trainer.compat import BATCH, Base, Net, classification_data  # noqa: E402
 
 STEPS, ACCUM = 4, 2
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.checkpoint import files as files  # noqa: E402
 from lightning_mics.checkpoint.feedback import KEY  # noqa: E402
-from tests.scripts.quant_equiv import D_IN, D_OUT, Module, data  # noqa: E402
+from tests.engine.quant_equiv import D_IN, D_OUT, Module, data  # noqa: E402
 
 BATCH, STEPS_PER_EPOCH = 4, 3
 

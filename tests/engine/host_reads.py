@@ -1,4 +1,4 @@
-"""One rank of the host-read budget (tests/test_host_reads.py): a Fabric loop (no logger, no progress bar) trains a
+"""One rank of the host-read budget (tests/engine/test_host_reads.py): a Fabric loop (no logger, no progress bar) trains a
 tiny model under each variant, and a ``HostReads`` mode (tests/helpers/host_reads.py) counts the host's reads of
 tensor data during the steady-state steps, after ``--warmup`` steps. The loop itself reads nothing (no
 ``loss.item()``); the reads are attributed to the engine (a frame in ``lightning_mics/``) or to what lies outside.

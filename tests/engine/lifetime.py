@@ -1,4 +1,4 @@
-"""One rank of tests/test_lifetime.py: a model set up under MiCS, trained a few steps and then dropped by its
+"""One rank of tests/engine/test_lifetime.py: a model set up under MiCS, trained a few steps and then dropped by its
 user is freed, with its engine, its shards and its optimizer state, under Fabric and under the Trainer (made
 plain after fit, or kept sharded because it is larger than ``max_live_parameters``). Read through weak
 references after ``gc.collect()``, for each variant in turn in the same process, as a notebook or a sweep runs

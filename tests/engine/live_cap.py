@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 from lightning_mics import MiCSStrategy  # noqa: E402
 from tests.helpers.live import LiveMeter  # noqa: E402
-from tests.scripts import equiv  # noqa: E402
+from tests.engine import equiv  # noqa: E402
 
 GATHERS = {"_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_"}
 

@@ -1,4 +1,4 @@
-"""One rank of tests/test_offload_rng.py: the engine (a real ``L.Fabric`` with ``MiCSStrategy``, s = 2) trains the
+"""One rank of tests/engine/test_offload_rng.py: the engine (a real ``L.Fabric`` with ``MiCSStrategy``, s = 2) trains the
 dropout stack of tests/helpers/offload_check.py three ways from the same seeds: no checkpointing, grouped
 checkpointing (groups of 2), and grouped checkpointing with ``activation_offload``. Each rank's dropout draws its
 own masks (seeded by rank); after every backward it records its gradient shards and its RNG state, after every step

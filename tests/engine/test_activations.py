@@ -10,7 +10,7 @@ from lightning_mics import MiCSStrategy
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPTS = REPO / "tests" / "scripts"
+HERE = REPO / "tests" / "engine"
 GPT_BLOCK = "lightning_mics.app.models.gpt.Block"
 
 
@@ -21,7 +21,7 @@ def test_checkpointing_recomputes_and_keeps_fewer_bytes(tmp_path):
     autograd's saved tensors only; test_what_checkpointing_keeps_alive counts every holder."""
     variants = [{"s": 2}, {"s": 2, "activation_checkpointing": [GPT_BLOCK]},
                 {"s": 2, "activation_checkpointing": [GPT_BLOCK], "checkpoint_group_size": 2}]
-    res = run_ranks(SCRIPTS / "equiv.py", 2, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count", "--measure",
+    res = run_ranks(HERE / "equiv.py", 2, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count", "--measure",
                                              "--variants", json.dumps(variants)], tmp_path)
     for r in res:
         off, group1, group2 = r["variants"]
@@ -37,7 +37,7 @@ def test_strategy_reports_bytes_saved_and_offloaded(tmp_path):
     """Telemetry per optimizer step: bytes saved for backward (fewer with checkpointing) and bytes offloaded."""
     variants = [{"s": 2}, {"s": 2, "activation_checkpointing": [GPT_BLOCK], "checkpoint_group_size": 2,
                            "activation_offload": True}]
-    res = run_ranks(SCRIPTS / "equiv.py", 2, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count",
+    res = run_ranks(HERE / "equiv.py", 2, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count",
                                              "--variants", json.dumps(variants)], tmp_path)
     for r in res:
         off, offload = (v["stats"][-1] for v in r["variants"])
@@ -51,7 +51,7 @@ def test_meta_device_model_is_materialized_as_shards(tmp_path, where):
     setup no rank allocates more than its (padded) 1/s of the model plus one unit, measured with the profiler's
     memory events, which is less than the whole model; the initial values equal the same model built on a real
     device with the same seed; training equals one plain process."""
-    res = run_ranks(SCRIPTS / "meta_init.py", 2, ["--where", where], tmp_path)
+    res = run_ranks(HERE / "meta_init.py", 2, ["--where", where], tmp_path)
     ref = res[0]
     assert ref["meta_before"]
     assert ref["init_max_abs"] == 0.0
@@ -69,13 +69,13 @@ def test_unknown_class_is_refused_when_the_strategy_is_made():
 
 @pytest.mark.parametrize("options, option", [
     ({"activation_checkpointing": ["torch.nn.TransformerEncoderLayer"]}, "activation_checkpointing"),
-    ({"activation_checkpointing": ["tests.scripts.compat.Block"], "checkpoint_group_size": 3},
+    ({"activation_checkpointing": ["tests.trainer.compat.Block"], "checkpoint_group_size": 3},
      "checkpoint_group_size"),
 ])
 def test_checkpointing_that_cannot_apply_is_refused_on_every_rank(tmp_path, options, option):
     """A class the model does not contain; a group larger than the run of consecutive blocks (2): every rank
     raises the same ValueError naming the option, at setup, and nobody hangs."""
-    res = run_ranks(SCRIPTS / "bad_setup.py", 2, ["--strategy", json.dumps(dict(options, param_persistence_threshold=0))],
+    res = run_ranks(REPO / "tests" / "options" / "bad_setup.py", 2, ["--strategy", json.dumps(dict(options, param_persistence_threshold=0))],
                     tmp_path, timeout=120)
     errors = {r["error"] for r in res}
     assert len(errors) == 1, errors
@@ -99,7 +99,7 @@ def test_what_checkpointing_keeps_alive(tmp_path):
     variants = [{}, ac, grouped, {**grouped, "activation_offload": True}, {**ac, "activation_offload": True}]
     bf16 = [{**v, "precision": "bf16-mixed"} for v in variants]
     trainer = [{**v, "front": "trainer"} for v in variants]
-    (res,) = run_ranks(SCRIPTS / "ac_alive.py", 1, ["--variants", json.dumps(variants + bf16 + trainer)], tmp_path)
+    (res,) = run_ranks(HERE / "ac_alive.py", 1, ["--variants", json.dumps(variants + bf16 + trainer)], tmp_path)
     assert [r["alive"] for r in res] == 3 * [[True] * 4, [True] * 4, [True, False, True, False], [False] * 4,
                                              [False] * 4]
     assert [r["replays"] for r in res] == 3 * [0, 4, 4, 4, 4]

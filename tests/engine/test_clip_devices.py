@@ -10,7 +10,7 @@ from tests.helpers.launch import REPO, run_ranks
 
 @pytest.mark.distributed
 def test_a_rank_without_gradients_clips_with_its_peers_on_the_mesh_device(tmp_path):
-    res = run_ranks(REPO / "tests" / "scripts" / "clip_devices.py", 4, [], tmp_path)
+    res = run_ranks(REPO / "tests" / "engine" / "clip_devices.py", 4, [], tmp_path)
     for rank, r in enumerate(res):
         for case, c in r.items():
             assert c["total"] == pytest.approx(c["expected"], rel=1e-6, abs=1e-7), (rank, case, c)

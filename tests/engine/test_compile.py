@@ -14,7 +14,7 @@ import torch
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "compiled.py"
+SCRIPT = REPO / "tests" / "engine" / "compiled.py"
 
 
 def rel(a, b):
@@ -58,7 +58,7 @@ def test_compiled_model_equals_compiled_ddp(tmp_path, ddp, front, options):
 def test_compiled_model_under_bf16_mixed_holds_fp32_masters(tmp_path, ddp, front):
     """bf16-mixed: what the user gets back is the fp32 masters, not values rounded through bf16, and it trains as
     DDP does up to the bf16 rounding (MiCS gathers bf16 parameters, DDP's autocast casts fp32 ones per op: the
-    bounds tests/test_lightning_compat.py's bf16 case measured against DDP under autocast alone, before its control
+    bounds tests/trainer/test_lightning_compat.py's bf16 case measured against DDP under autocast alone, before its control
     ran MiCS's precision policy)."""
     got, ref = launch(tmp_path / "mics", front, "mics", {}, "bf16-mixed"), ddp(front, "bf16-mixed")
     assert sorted(got["params"]) == sorted(ref["params"])
@@ -72,7 +72,7 @@ def test_compiled_model_under_bf16_mixed_holds_fp32_masters(tmp_path, ddp, front
     assert got["graphs_first_step"] >= 1 and got["graphs_end"] == got["graphs_first_step"], got
 
 
-AC = {"activation_checkpointing": ["tests.scripts.compat.Block"]}
+AC = {"activation_checkpointing": ["tests.trainer.compat.Block"]}
 
 
 @pytest.mark.parametrize("front, options", [("fabric", AC), ("fabric", {**AC, "checkpoint_group_size": 2,

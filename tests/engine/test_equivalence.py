@@ -1,6 +1,6 @@
 """Sharded training equals one plain process on the same global batches (real processes, gloo, Trainer).
 
-Each case starts 4 ranks of ``tests/scripts/equiv.py``; rank 0 also trains the reference (same init, same
+Each case starts 4 ranks of ``tests/engine/equiv.py``; rank 0 also trains the reference (same init, same
 optimizer, global batch = the union of the ranks' batches) and reports per-parameter differences.
 """
 
@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers.launch import REPO, run_ranks
 
-SCRIPT = REPO / "tests" / "scripts" / "equiv.py"
+SCRIPT = REPO / "tests" / "engine" / "equiv.py"
 pytestmark = pytest.mark.distributed
 
 

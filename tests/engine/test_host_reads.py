@@ -12,7 +12,7 @@ import pytest
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "host_reads.py"
+SCRIPT = REPO / "tests" / "engine" / "host_reads.py"
 TRAINABLE = 15  # the script's model: embedding, 3 blocks of 2 linears, the head; every parameter sharded
 S2 = {"sharded_data_parallel_degree": 2}
 ROWS = {"sharded_data_parallel_degree": 2, "shard_optimizer_state": True}

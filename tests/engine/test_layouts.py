@@ -2,7 +2,7 @@
 (``reshard_after_forward=False``), the optimizer's rows over replicas (``shard_optimizer_state`` with s > 1),
 and their collectives counted from the dispatcher.
 
-Equivalence against one plain process on the same global batches is in ``tests/scripts/equiv.py`` (rank 0
+Equivalence against one plain process on the same global batches is in ``tests/engine/equiv.py`` (rank 0
 trains the reference); the collectives come from a TorchDispatchMode around every training batch.
 """
 
@@ -13,7 +13,7 @@ import pytest
 
 from tests.helpers.launch import REPO, run_ranks
 
-SCRIPT = REPO / "tests" / "scripts" / "equiv.py"
+SCRIPT = REPO / "tests" / "engine" / "equiv.py"
 pytestmark = pytest.mark.distributed
 
 STEPS, ACCUM = 3, 2
@@ -164,7 +164,7 @@ def test_keep_gathered_respects_the_cap(runs):
 
 # -- tensor parallelism -------------------------------------------------------------------------------------
 
-TP_SCRIPT = REPO / "tests" / "scripts" / "tp_equiv.py"
+TP_SCRIPT = REPO / "tests" / "engine" / "tp_equiv.py"
 
 
 def test_seed_example_2_group_assignment():

@@ -13,7 +13,7 @@ from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
 BLOCK = "lightning_mics.app.models.gpt.Block"
-SCRIPT = REPO / "tests" / "scripts" / "lifetime.py"
+SCRIPT = REPO / "tests" / "engine" / "lifetime.py"
 
 
 def _assert_freed(res, kept_sharded):

@@ -20,7 +20,7 @@ VARIANTS = [{"prefetch": 2, "max_live_parameters": CAP},
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_ranks(REPO / "tests" / "scripts" / "live_cap.py", 2, ["--variants", json.dumps(VARIANTS)],
+    return run_ranks(REPO / "tests" / "engine" / "live_cap.py", 2, ["--variants", json.dumps(VARIANTS)],
                      tmp_path_factory.mktemp("live_cap"))
 
 

@@ -7,7 +7,7 @@ import pytest
 from tests.helpers.launch import REPO, run_ranks
 from tests.helpers.offload_check import offload_dropout_check
 
-SCRIPT = REPO / "tests" / "scripts" / "offload_rng.py"
+SCRIPT = REPO / "tests" / "engine" / "offload_rng.py"
 
 
 @pytest.mark.distributed

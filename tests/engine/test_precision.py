@@ -13,7 +13,7 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("optimizer", ["sgd", "fused-adamw"])
 def test_fp16_overflow_on_one_rank_skips_step_everywhere(tmp_path, optimizer):
     """Also with fused AdamW, which gets the scale and the inf flag from GradScaler.step (no unscale_ first)."""
-    res = run_ranks(REPO / "tests" / "scripts" / "fp16_overflow.py", 4, ["--optimizer", optimizer], tmp_path)
+    res = run_ranks(REPO / "tests" / "engine" / "fp16_overflow.py", 4, ["--optimizer", optimizer], tmp_path)
     for r in res:
         assert r["scaler"] == "ShardedGradScaler"
         assert r["changed"] == [True, False, True, True], r  # step 1 overflowed on rank 0 only
@@ -39,7 +39,7 @@ def test_bf16_trains_close_to_fp32_reference(tmp_path, precision):
                            "checkpoint_group_size": 2, "activation_offload": True},
                 {"s": 2, "reshard_after_forward": False}, {"s": 1, "shard_optimizer_state": True},
                 {"s": 2, "shard_optimizer_state": True}]
-    res = run_ranks(REPO / "tests" / "scripts" / "equiv.py", 4,
+    res = run_ranks(REPO / "tests" / "engine" / "equiv.py", 4,
                     ["--model", "gpt", "--precision", precision, "--accum", "2", "--clip", "1.0",
                      "--variants", json.dumps(variants)], tmp_path)
     for variant in res[0]["variants"]:

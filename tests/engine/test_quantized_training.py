@@ -1,7 +1,7 @@
 """quantize_gradients / quantize_allgather in training: real Trainer + MiCSStrategy on gloo ranks.
 
 Equivalence: parameters after N steps of each quantized run within the bound derived in
-tests/scripts/quant_equiv.py ([Note: the equivalence bound]) of a float64 single-process reference on the same
+tests/engine/quant_equiv.py ([Note: the equivalence bound]) of a float64 single-process reference on the same
 global batches, 2 and 4 ranks, s = 2 (s = 4 over 2 simulated nodes for the gather), accumulation 1 and 4.
 Dispatch: bytes across replica groups per optimizer step, and across nodes in the gather's first hop, at most
 0.3x of the fp32 runs (scales included), counted by the TorchDispatchMode in tests/helpers/comm_mode.py.
@@ -16,8 +16,8 @@ import torch
 from lightning_mics import MiCSStrategy
 from tests.helpers.launch import REPO, run_ranks
 
-EQUIV = REPO / "tests" / "scripts" / "quant_equiv.py"
-GPT = REPO / "tests" / "scripts" / "equiv.py"
+EQUIV = REPO / "tests" / "engine" / "quant_equiv.py"
+GPT = REPO / "tests" / "engine" / "equiv.py"
 pytestmark = pytest.mark.distributed
 
 B = 32  # elements per scale: small, so that the linear model's 264 parameters span many blocks
@@ -163,14 +163,14 @@ def test_bf16_mixed_quantized_gradients_within_bound_fp32_masters_int8_replica_t
 def test_error_feedback_residuals_resume_through_the_trainer(tmp_path, precision, rows):
     """quantize_gradients='error_feedback' under the Trainer (4 ranks, s = 2, 32-element blocks), saved by
     ModelCheckpoint at the end of epoch 0 and resumed with fit(ckpt_path=...) from step 3 to 6
-    (tests/scripts/feedback_resume.py): the sharded checkpoint carries every rank's residuals, so the resumed run
+    (tests/engine/feedback_resume.py): the sharded checkpoint carries every rank's residuals, so the resumed run
     is the uninterrupted one exactly; from the full checkpoint they restart from zero, the load says so, and the
     run differs (without the residuals the sharded resume differs by the same 6.5e-4). What the user gets back is
     the fp32 masters in bf16-mixed too. A model that stays sharded after fit keeps them for a save after it (in
     32-true only: it does not depend on the precision). ``rows``: with shard_optimizer_state=True, whose residuals
     are the int8 reduce-scatter's and the rows' change's ([Note: quantized optimizer rows])."""
     args = ["--precision", precision] + (["--shard-optimizer-state"] if rows else [])
-    res = run_ranks(REPO / "tests" / "scripts" / "feedback_resume.py", 4, args, tmp_path)
+    res = run_ranks(REPO / "tests" / "engine" / "feedback_resume.py", 4, args, tmp_path)
     for r in res:
         for kind in ("sharded", "full"):
             assert (r[kind]["start"], r[kind]["step"]) == (3, 6), r

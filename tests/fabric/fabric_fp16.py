@@ -1,6 +1,6 @@
 """One rank of the Fabric fp16 tests: ``16-mixed`` (fp16 autocast + loss scaling) under a real ``L.Fabric`` with
 ``lightning_mics.fabric.MiCSStrategy``. Fabric turns precision="16-mixed" into bf16 on CPU, so the fp16 plugin is
-passed explicitly with a CPU GradScaler (as tests/scripts/fp16_overflow.py does for the Trainer).
+passed explicitly with a CPU GradScaler (as tests/engine/fp16_overflow.py does for the Trainer).
 
 Cases: ``overflow`` (rank 0 alone multiplies its loss by 1e30 at step 1: every rank must skip that step and back
 the scale off identically), ``overflow_fused`` (the same with fused AdamW, which takes the scale and the inf flag
@@ -24,7 +24,7 @@ import lightning as L  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
-from tests.scripts.fabric_loop import STEPS, Tiny, batches, compare_global, lm_loss  # noqa: E402
+from tests.fabric.fabric_loop import STEPS, Tiny, batches, compare_global, lm_loss  # noqa: E402
 
 BLOW_UP_STEP = 1
 

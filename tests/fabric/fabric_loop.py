@@ -579,7 +579,7 @@ def case_quant(s, accum, block, layout=""):
     and the bound of [Note: the equivalence bound]."""
     from argparse import Namespace
 
-    from tests.scripts import quant_equiv as Q
+    from tests.engine import quant_equiv as Q
     args, A = Namespace(s=int(s), steps=6, batch=4), int(accum)
     x, y = Q.data(WORLD, args.batch, args.steps, A)
     quant = {"quantize_gradients": True} if layout != "os" else \

@@ -33,7 +33,7 @@ from torch._dynamo import OptimizedModule  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-import tests.scripts.lightning_ported as lp  # noqa: E402
+import tests.trainer.lightning_ported as lp  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 
 DIST_FILES = {"meta.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"}
@@ -301,7 +301,7 @@ def case_init(tmp, precision):
 
 def case_save_filter(tmp):
     """test_save_filter (model-parallel's): a full save keeps what the filter keeps, as plain tensors. Lightning's
-    sharded save refuses a filter; MiCS's keeps the same keys (tests/test_fabric.py::test_save_with_filter...)."""
+    sharded save refuses a filter; MiCS's keeps the same keys (tests/fabric/test_fabric.py::test_save_with_filter...)."""
     f = fabric(state_dict_type="full")
     model = f.setup_module(FeedForward())
     tmp = Path(f.broadcast(str(tmp)))
@@ -529,7 +529,7 @@ def case_compiled_autograd(tmp):
 
 def case_checkpoint_io(tmp):
     """test_fsdp.py / test_model_parallel.py::test_checkpoint_io_unsupported, as MiCS decides it (the Trainer's in
-    tests/scripts/lightning_ported.py): with ``state_dict_type="full"`` a CheckpointIO plugin gets the user's path
+    tests/trainer/lightning_ported.py): with ``state_dict_type="full"`` a CheckpointIO plugin gets the user's path
     on rank 0 and every rank loads through it, exactly; with the sharded form it is refused when Fabric is made."""
     io = lp.RecordingIO()
     f = L.Fabric(accelerator="cpu", devices=2, plugins=[io], strategy=MiCSStrategy(

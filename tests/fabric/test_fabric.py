@@ -1,5 +1,5 @@
 """MiCS under Lightning Fabric: real processes (gloo, CPU), a real ``L.Fabric`` in the usual Fabric
-loop, each case against one plain process on the same global batches (``tests/scripts/fabric_loop.py``).
+loop, each case against one plain process on the same global batches (``tests/fabric/fabric_loop.py``).
 
 4 ranks: s = 2 and s = 4, accumulation 2 and 4, clipping by norm and by value, SGD and AdamW, the three ways
 to set up (``fabric.setup(model, opt)``, setup_module + setup_optimizers, ``init_module(empty_init=True)``),
@@ -15,7 +15,7 @@ import torch
 from lightning_mics.fabric import MiCSStrategy
 from tests.helpers.launch import REPO, run_ranks
 
-SCRIPT = REPO / "tests" / "scripts" / "fabric_loop.py"
+SCRIPT = REPO / "tests" / "fabric" / "fabric_loop.py"
 pytestmark = pytest.mark.distributed
 
 EQUIV = ["equiv:2:2:sgd:norm:split", "equiv:4:4:adamw:value:joint", "equiv:2:4:adamw:norm:meta",
@@ -160,7 +160,7 @@ def test_registered_and_options_checked_before_any_process():
     with pytest.raises(ValueError, match=r"option prefetchh=1 is invalid: allowed is a keyword of"):
         MiCSStrategy(prefetchh=1)
     # the same refusal as under the Trainer (frontend.check_precision), with fp16 through an explicit CPU plugin
-    # (Fabric turns precision="16-mixed" into "bf16-mixed" on CPU; tests/test_fabric_fp16.py trains that way)
+    # (Fabric turns precision="16-mixed" into "bf16-mixed" on CPU; tests/fabric/test_fabric_fp16.py trains that way)
     from lightning.fabric.plugins.precision import MixedPrecision
 
     with pytest.raises(ValueError, match=r"stop_on_nonfinite=True is invalid with precision='16-mixed'"):

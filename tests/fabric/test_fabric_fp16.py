@@ -1,5 +1,5 @@
 """Fabric with ``16-mixed`` (fp16 autocast + loss scaling) under MiCS, on CPU: Fabric turns precision="16-mixed"
-into bf16 there, so the fp16 plugin is passed explicitly with a CPU GradScaler (tests/scripts/fabric_fp16.py)."""
+into bf16 there, so the fp16 plugin is passed explicitly with a CPU GradScaler (tests/fabric/fabric_fp16.py)."""
 
 import pytest
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 def four(tmp_path_factory):
     out = tmp_path_factory.mktemp("fabric_fp16")
     cases = ["overflow", "overflow_fused", "clip"]
-    return run_ranks(REPO / "tests" / "scripts" / "fabric_fp16.py", 4, ["--world", "4", "--cases", *cases], out)
+    return run_ranks(REPO / "tests" / "fabric" / "fabric_fp16.py", 4, ["--world", "4", "--cases", *cases], out)
 
 
 def test_overflow_on_one_rank_skips_the_step_on_every_rank(four):

@@ -10,8 +10,8 @@ import pytest
 from tests.helpers.launch import REPO, run_ranks
 
 import litgpt.model  # noqa: F401  a test dependency ([dev] extra): missing, this module fails, it is not skipped
-SCRIPT = REPO / "tests" / "scripts" / "fabric_litgpt.py"
-LORA = REPO / "tests" / "scripts" / "litgpt_lora.py"
+SCRIPT = REPO / "tests" / "fabric" / "fabric_litgpt.py"
+LORA = REPO / "tests" / "fabric" / "litgpt_lora.py"
 pytestmark = pytest.mark.distributed
 
 
@@ -33,7 +33,7 @@ PRECISIONS = {"sharded": ["32-true", "bf16-true", "bf16-mixed"], "full": ["32-tr
 
 @pytest.mark.parametrize("fmt", ["sharded", "full"])
 def test_litgpt_lora_finetune_loop_equals_one_plain_process(tmp_path, fmt):
-    """litgpt's LoRA finetuning pattern (tests/scripts/litgpt_lora.py: meta init, only the LoRA matrices trainable,
+    """litgpt's LoRA finetuning pattern (tests/fabric/litgpt_lora.py: meta init, only the LoRA matrices trainable,
     the base weights from a plain GPT's fp32 file through ``fabric.load_raw(strict=False)``, its Blocks
     checkpointed, the LoRA weights saved with ``filter={"model": lora_filter}``) on 4 ranks, s = 2, in fp32 and
     (sharded) in litgpt's two bf16 precisions. The base weights land where litgpt's own ``_load_from_state_dict``

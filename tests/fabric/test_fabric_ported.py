@@ -2,7 +2,7 @@
 
 Ported from Lightning 2.6's ``tests/tests_fabric/strategies/test_fsdp_integration.py`` and
 ``test_model_parallel_integration.py`` to CPU with 2 ranks, keeping their assertions (they run inside the ranks:
-``tests/scripts/fabric_ported.py``; one launch runs every case). Where the original only smoke-tests a step, the
+``tests/fabric/fabric_ported.py``; one launch runs every case). Where the original only smoke-tests a step, the
 case also trains one plain process on the same global batches and the test bounds the difference; those cases
 also run under Lightning's DDP (one more launch, the same seed and data), and the parameters after the steps are
 compared with DDP's.
@@ -14,7 +14,7 @@ import torch
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "fabric_ported.py"
+SCRIPT = REPO / "tests" / "fabric" / "fabric_ported.py"
 PRECISIONS = ["32-true", "bf16-mixed"]  # Fabric runs "16-mixed" as bf16 AMP on CPU
 CLIPS = [f"clip_{k}_{p}" for k in ("norm", "val") for p in PRECISIONS]
 CASES = (["train_save_load_32-true", "train_save_load_bf16-mixed", "save_full_32-true", "save_full_bf16-mixed",

@@ -1,4 +1,4 @@
-"""One rank of ``tests/test_kernel_tables.py``: a Fabric loop under MiCS with ``kernels="triton"`` (the kernels
+"""One rank of ``tests/kernels/test_kernel_tables.py``: a Fabric loop under MiCS with ``kernels="triton"`` (the kernels
 interpreted on CPU) over a model of many units of distinct shapes, so that more distinct buckets are copied per
 step than the old 64-entry table cache held. Records, per step, the descriptor tables the Triton copies looked up,
 built and the per-call pointer arrays they sent (``lightning_mics_kernels.table_stats()``), and the parameters at the end.

@@ -2,7 +2,7 @@
 bucket shape and never again after warm-up, however many buckets there are and whatever the allocator does to
 the buffers; and `kernels="auto"`'s size rule ([Note: auto's size rule] in triton_kernels/_backend.py).
 
-    python -m pytest -q tests/test_kernel_tables.py
+    python -m pytest -q tests/kernels/test_kernel_tables.py
 """
 
 import math
@@ -14,7 +14,7 @@ import lightning_mics_kernels as tk
 from tests.helpers.launch import REPO, run_ranks
 from lightning_mics_kernels import _backend, _table
 
-SCRIPT = REPO / "tests" / "scripts" / "kernel_tables.py"
+SCRIPT = REPO / "tests" / "kernels" / "kernel_tables.py"
 
 
 @pytest.fixture

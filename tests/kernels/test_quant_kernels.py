@@ -2,7 +2,7 @@
 the torch fallback bit for bit, and both against a per-block reference written from
 [Note: quantized wire format] (triton_kernels/_quant_layout.py) and against the properties the engine relies on.
 
-    TRITON_INTERPRET=1 python -m pytest -q tests/test_quant_kernels.py
+    TRITON_INTERPRET=1 python -m pytest -q tests/kernels/test_quant_kernels.py
 """
 
 import os
@@ -15,7 +15,7 @@ import torch
 
 import lightning_mics_kernels as tk
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("triton", "torch")
 U = 2.0**-24  # fp32 unit roundoff

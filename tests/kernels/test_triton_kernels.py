@@ -4,7 +4,7 @@ against plain-torch references (torch.cat / torch.split / torch._chunk_cat / tor
 "Bit-exact" here: equal shapes and dtypes, the same NaN positions, and identical bits everywhere else
 (NaN payloads differ between torch's own CPU and CUDA conversions, so they are not compared).
 
-    python -m pytest -q tests/test_triton_kernels.py
+    python -m pytest -q tests/kernels/test_triton_kernels.py
 """
 
 import importlib.util
@@ -18,7 +18,7 @@ import torch
 
 import lightning_mics_kernels as tk
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 BACKENDS = ("triton", "torch")
 INT_OF = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.distributed
 
 
 def test_fits_with_other_layouts_do_not_grow_the_live_groups(tmp_path):
-    res = run_ranks(REPO / "tests" / "scripts" / "layouts.py", 4, [], tmp_path)
+    res = run_ranks(REPO / "tests" / "layout" / "layouts.py", 4, [], tmp_path)
     for r in res:
         after_s2, after_s4, after_s2_again = r["groups"]
         assert after_s4 <= after_s2 and after_s2_again <= after_s2, r["groups"]

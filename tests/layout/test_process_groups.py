@@ -22,7 +22,7 @@ LAYOUTS = {
 
 
 def test_every_group_created_is_used_once(tmp_path):
-    res = run_ranks(REPO / "tests" / "scripts" / "topology_groups.py", 4,
+    res = run_ranks(REPO / "tests" / "layout" / "topology_groups.py", 4,
                     ["--layouts", json.dumps([list(k) for k in LAYOUTS])], tmp_path)
     for r in res:
         for (s, p), got in zip(LAYOUTS, r):

@@ -6,7 +6,7 @@ loopback-range /30 (127.200.0.1 <-> 127.200.0.2; [Note: loopback-range hosts] in
 veth (``GLOO_SOCKET_IFNAME``), so every byte between the hosts crosses it. The strategy is given no
 ``ranks_per_node``: it takes the node size from Lightning's cluster environment (torchelastic's), so s = 4 spans
 both hosts and the parameter all-gather runs in two hops (inter-host, then intra-host). Parameters after 4
-optimizer steps (accumulation 2) must match one plain process on the same global batches (tests/scripts/equiv.py).
+optimizer steps (accumulation 2) must match one plain process on the same global batches (tests/engine/equiv.py).
 
 The namespaces are created and always deleted by the test; where they cannot be created (not root, no
 CAP_NET_ADMIN, no ``ip``), it skips and says why.
@@ -22,7 +22,7 @@ import pytest
 
 from tests.helpers.launch import REPO
 from tests.helpers.netns import HOSTS, join
-from tests.test_equivalence import _assert_matches
+from tests.engine.test_equivalence import _assert_matches
 
 pytestmark = pytest.mark.distributed
 
@@ -65,7 +65,7 @@ def test_two_hosts_match_one_process(two_hosts, tmp_path):
             env.pop(k, None)
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", HOSTS[0], "--master-port", port,
-               str(REPO / "tests" / "scripts" / "equiv.py"), "--out", str(tmp_path),
+               str(REPO / "tests" / "engine" / "equiv.py"), "--out", str(tmp_path),
                "--variants", '[{"s": 4}]', "--steps", "4", "--accum", "2", "--count", "--num-nodes", "2"]
         log = open(out / "log.txt", "w+")
         procs.append((subprocess.Popen(cmd, env=env, cwd=out, stdout=log, stderr=subprocess.STDOUT), log))

@@ -1,4 +1,4 @@
-"""A user's script with one bad strategy option (tests/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
+"""A user's script with one bad strategy option (tests/options/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
 
     python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N] [--fused-sgd]
                         [--pruning] [--swa] [--ema] [--wrapped-blocks] [--async-io]
@@ -28,7 +28,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.scripts.compat import BATCH, Base, classification_data  # noqa: E402
+from tests.trainer.compat import BATCH, Base, classification_data  # noqa: E402
 
 
 def main():

@@ -16,7 +16,7 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.scripts.compat import BATCH, Base, classification_data  # noqa: E402
+from tests.trainer.compat import BATCH, Base, classification_data  # noqa: E402
 
 
 def main():

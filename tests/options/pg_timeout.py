@@ -1,4 +1,4 @@
-"""One rank of tests/test_topology_and_options.py's timeout test: ``timeout`` given as a ``datetime.timedelta`` (as
+"""One rank of tests/options/test_options.py's timeout test: ``timeout`` given as a ``datetime.timedelta`` (as
 Lightning's own strategies take it) or in seconds reaches the process group the strategy creates, and every sub-group of its mesh
 ([Note: the timeout of every group] in frontends/shared.py).
 

@@ -3,7 +3,7 @@ exits non-zero within 60 s with a message naming the option, the value and what 
 
 Most are refused in ``MiCSStrategy.__init__`` (lightning_mics/options.py: ``MiCSConfig.__post_init__``) or when the
 Trainer is made (``validate_world``, the precision check), before any process is launched: those run
-``tests/scripts/bad_input.py`` with ``devices=2`` as one process and never start the second rank (the process is
+``tests/options/bad_input.py`` with ``devices=2`` as one process and never start the second rank (the process is
 forked from the test launcher's server that has imported Lightning, ``tests/helpers/launch.py``: what is checked
 is the refusal, not the interpreter's start; the other kinds start a fresh ``python``). Those that need the model
 (a ``shard_units`` or ``activation_checkpointing`` class the model does not contain or has already wrapped in
@@ -28,7 +28,7 @@ from tests.helpers.launch import REPO, free_port, start
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = REPO / "tests" / "scripts" / "bad_input.py"
+SCRIPT = REPO / "tests" / "options" / "bad_input.py"
 BOUND_S = 60
 
 # (id, how it is started, options (JSON for the script; overrides for the app), extra arguments,
@@ -97,12 +97,12 @@ CASES = [
      ["shard_units=['TransformerEncoderLayer']", "allowed is classes of modules in the model"]),
     ("checkpointing-not-in-model", SETUP, {"activation_checkpointing": ["torch.nn.TransformerEncoderLayer"]}, [],
      ["activation_checkpointing=['torch.nn.TransformerEncoderLayer']", "contains no instance of"]),
-    ("group-longer-than-run", SETUP, {"activation_checkpointing": ["tests.scripts.compat.Block"],
+    ("group-longer-than-run", SETUP, {"activation_checkpointing": ["tests.trainer.compat.Block"],
                                       "checkpoint_group_size": 3}, [],
      ["checkpoint_group_size=3", "allowed: 1..2"]),
-    ("checkpointing-wrapped-blocks", SETUP, {"activation_checkpointing": ["tests.scripts.compat.Block"]},
+    ("checkpointing-wrapped-blocks", SETUP, {"activation_checkpointing": ["tests.trainer.compat.Block"]},
      ["--wrapped-blocks"],  # the user's own checkpoint_wrapper around each block: Lightning's FSDP ignores its option
-     ["activation_checkpointing=['tests.scripts.compat.Block']", "already checkpoints", "Allowed: this option "
+     ["activation_checkpointing=['tests.trainer.compat.Block']", "already checkpoints", "Allowed: this option "
       "without the wrappers, or the wrappers with activation_checkpointing=None"]),
     ("pruning-callback", SETUP, {}, ["--pruning"],  # Lightning's pruning callback
      ["callbacks not supported: ModelPruning (it replaces each pruned parameter", "Allowed: none of these."]),

@@ -82,7 +82,7 @@ def test_timeout_reaches_the_process_group(tmp_path, front, given):
     """``timeout`` in seconds or as a ``datetime.timedelta`` (what Lightning's own strategies take): the process
     group the strategy creates waits that long in a collective, on every rank, and so does every sub-group of its
     mesh (torch's default there was 30 minutes)."""
-    results = run_ranks(REPO / "tests" / "scripts" / "pg_timeout.py", 2,
+    results = run_ranks(REPO / "tests" / "options" / "pg_timeout.py", 2,
                         ["--front", front, "--timeout", given], tmp_path)
     assert [r["pg_timeout_s"] for r in results] == [33.0, 33.0], results
     assert all(r["group_timeouts_s"] and set(r["group_timeouts_s"]) == {33.0} for r in results), results

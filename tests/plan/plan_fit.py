@@ -2,7 +2,7 @@
 planner predicts: ``model_state_bytes()`` at the end of fit, the strategy's telemetry per optimizer step, and
 the bytes of every c10d op per optimizer step as a TorchDispatchMode sees them (with the ranks of its group).
 
-``build(name)`` is imported by tests/test_plan.py, which plans the same module and compares.
+``build(name)`` is imported by tests/plan/test_plan.py, which plans the same module and compares.
 """
 
 import argparse

@@ -2,7 +2,7 @@
 
 - Its model-state bytes per rank against ``MiCSStrategy.model_state_bytes()`` measured in real 4-rank fits,
   and its bytes per collective and group per optimizer step against the strategy's telemetry and against a
-  TorchDispatchMode that sees every c10d op with its group (tests/scripts/plan_fit.py).
+  TorchDispatchMode that sees every c10d op with its group (tests/plan/plan_fit.py).
 - Its layout of the app's GPT against the GPT module itself.
 - The seed's reference configurations (SageMaker's sharded data parallelism page).
 - Inputs: Hugging Face configs (file, dict, config object), counts, bad values; the command line and its chart.
@@ -26,7 +26,7 @@ from lightning_mics.plan.models import (APP_GPT_DEFAULTS, REFERENCE_MODELS, Mode
 from lightning_mics.layout.topology import plan_layout
 from tests.helpers.launch import REPO, run_ranks
 
-SCRIPT = REPO / "tests" / "scripts" / "plan_fit.py"
+SCRIPT = REPO / "tests" / "plan" / "plan_fit.py"
 WORLD = 4
 
 
@@ -98,7 +98,7 @@ def _group_name(op, group, layout, rank=0):
 
 @pytest.mark.distributed
 def test_planner_matches_measured_model_state_and_comm_bytes(tmp_path):
-    from tests.scripts.plan_fit import build
+    from tests.plan.plan_fit import build
 
     res = run_ranks(SCRIPT, WORLD, ["--variants", json.dumps(VARIANTS)], tmp_path)
     for i, v in enumerate(VARIANTS):

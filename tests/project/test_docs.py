@@ -21,7 +21,7 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "docs"))
 import options_table  # noqa: E402  (docs/options_table.py)
 
@@ -50,7 +50,7 @@ def _files() -> List[str]:
         out = [str(p.relative_to(REPO)) for p in REPO.rglob("*")
                if p.is_file() and not SKIP_DIRS.intersection(p.relative_to(REPO).parts)]
     keep = [f for f in out if f and (f.endswith(TEXT_SUFFIXES) or f == ".ci/run") and "egg-info" not in f]
-    return sorted(f for f in keep if (REPO / f).is_file() and f != "tests/test_docs.py")
+    return sorted(f for f in keep if (REPO / f).is_file() and f != "tests/project/test_docs.py")
 
 
 @lru_cache(maxsize=None)

@@ -11,7 +11,7 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = {"lightning_mics": "lightning_mics", "lightning_mics_kernels": "triton_kernels"}  # import name: folder
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 400, 80
 

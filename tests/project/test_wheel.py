@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # The TINY overrides of test_train_app.py (one-layer GPT, 2 ranks), cut to 2 optimizer steps.
 TINY_2_STEPS = [
     "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.warmup_steps=2",

@@ -25,9 +25,9 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import EMAWeightAveraging, WeightAveraging  # noqa: E402
 
 from lightning_mics import MiCSStrategy, consolidate  # noqa: E402
-from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params  # noqa: E402
-from tests.scripts.compat import strategy_for, trainer_for  # noqa: E402
-from tests.scripts.writes import strategy_of  # noqa: E402
+from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params  # noqa: E402
+from tests.trainer.compat import strategy_for, trainer_for  # noqa: E402
+from tests.user_code.writes import strategy_of  # noqa: E402
 
 
 class Tracked(Base):

@@ -25,8 +25,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
 
-from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
-from tests.scripts.writes import strategy_of  # noqa: E402
+from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
+from tests.user_code.writes import strategy_of  # noqa: E402
 
 RAISE_AT = 5
 

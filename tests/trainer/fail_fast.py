@@ -2,8 +2,8 @@
 
 Run as a plain script (Lightning's launcher starts the other ranks) or under torchrun:
 
-    python tests/scripts/fail_fast.py OUT --mode step --fail-rank 1 --devices 2
-    torchrun --nproc-per-node 2 tests/scripts/fail_fast.py OUT --mode callback --fail-rank 0 --devices 2
+    python tests/trainer/fail_fast.py OUT --mode step --fail-rank 1 --devices 2
+    torchrun --nproc-per-node 2 tests/trainer/fail_fast.py OUT --mode callback --fail-rank 0 --devices 2
 
 Modes (the failing rank only; every other rank runs on into the next collective):
     step       raises in ``training_step`` at step 3 (say an out-of-memory error, or a bad batch)

@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.layer_sync import LayerSync  # noqa: E402
 
 from lightning_mics.frontends.shared import engine_of  # noqa: E402
 
-from tests.scripts.compat import BATCH, D, H, Base, Block, classification_data, loader, main, params, \
+from tests.trainer.compat import BATCH, D, H, Base, Block, classification_data, loader, main, params, \
     strategy_for, trainer_for  # noqa: E402
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning.pytorch import seed_everything  # noqa: E402
 from lightning.pytorch.demos.boring_classes import BoringModel  # noqa: E402
 
-import tests.scripts.lightning_ported as lp  # noqa: E402
+import tests.trainer.lightning_ported as lp  # noqa: E402
 from lightning_mics import consolidate  # noqa: E402
 
 

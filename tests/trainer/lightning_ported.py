@@ -407,7 +407,7 @@ def case_sharded_sd(tmp, model_kind):
 
 
 def case_save_over(tmp):
-    """test_model_parallel.py::test_save_checkpoint_path_exists (pytorch's), as tests/scripts/fabric_ported.py's:
+    """test_model_parallel.py::test_save_checkpoint_path_exists (pytorch's), as tests/fabric/fabric_ported.py's:
     ``trainer.save_checkpoint`` replaces a file or a checkpoint of either form; a directory holding other files is
     refused on every rank with an ``IsADirectoryError`` and left as it was."""
     trainers = {}

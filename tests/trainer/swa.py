@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
 
-from tests.scripts.compat import BATCH, D, Base, classification_data, loader, main, params  # noqa: E402
-from tests.scripts.compat import strategy_for, trainer_for  # noqa: E402
-from tests.scripts.writes import strategy_of  # noqa: E402
+from tests.trainer.compat import BATCH, D, Base, classification_data, loader, main, params  # noqa: E402
+from tests.trainer.compat import strategy_for, trainer_for  # noqa: E402
+from tests.user_code.writes import strategy_of  # noqa: E402
 
 SAVE_AT = 1
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.distributed
 def test_trainer_launches_ranks_like_ddp(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
     env.update(MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "popen_fit.py"), str(tmp_path)],
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "trainer" / "popen_fit.py"), str(tmp_path)],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [json.loads((tmp_path / f"result{r}.json").read_text()) for r in (0, 1)]

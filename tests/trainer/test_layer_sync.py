@@ -2,7 +2,7 @@
 ``lightning_mics/frontends/layer_sync.py``).
 
 Torch's SyncBatchNorm computes on GPUs only (DDP refuses it on CPU), so the syncing runs through a LayerSync plugin
-of ``tests/scripts/layer_sync.py`` that sums the batch statistics over every rank with a differentiable all_reduce:
+of ``tests/trainer/layer_sync.py`` that sums the batch statistics over every rank with a differentiable all_reduce:
 it goes through the very hooks ``Trainer(sync_batchnorm=True)`` goes through (Lightning hands either to the
 strategy as its ``_layer_sync``). Before this, MiCS never read it: ``sync_batchnorm=True`` was accepted and each
 rank normalized with its own batch. MiCS runs with s = 2, every parameter sharded, on 2 and 4 ranks, and on 4
@@ -15,7 +15,7 @@ from tests.helpers.cases import CaseRuns, max_diff
 from tests.helpers.launch import REPO
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "layer_sync.py"
+SCRIPT = REPO / "tests" / "trainer" / "layer_sync.py"
 CASES = ["batchnorm", "layer_sync", "sync_batchnorm_cpu", "layer_sync_sharded"]
 MICS = [("mics", 2), ("mics", 4), ("mics_os", 4)]
 

@@ -1,4 +1,4 @@
-"""Lightning's callbacks that steer a fit (``tests/scripts/callbacks.py``), against DDP on the same data and seed:
+"""Lightning's callbacks that steer a fit (``tests/trainer/callbacks.py``), against DDP on the same data and seed:
 the parameters after each flow, and what the flow decides (the epoch early stopping ends at, the checkpoints kept).
 AdamW at 4 ranks ends 1.6e-6 from DDP in every case (its update divides by the gradient's root mean square, which
 makes the summation order of the reduce-scatter and all-reduce visible); at 2 ranks the same bits or 1.2e-7."""
@@ -15,7 +15,7 @@ LAYOUTS = [("mics", 2), ("zero1", 2), ("mics_os", 4)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "scripts" / "callbacks.py", tmp_path_factory, lambda kind: CASES)
+    return CaseRuns(REPO / "tests" / "trainer" / "callbacks.py", tmp_path_factory, lambda kind: CASES)
 
 
 def close(world):

@@ -1,6 +1,6 @@
 """Lightning features under MiCS equal a control on the same data and seed.
 
-One launch per (strategy, world) runs every case of ``tests/scripts/compat.py`` in one process per rank; the
+One launch per (strategy, world) runs every case of ``tests/trainer/compat.py`` in one process per rank; the
 tests compare the final parameters (and what each case observed) against DDP, or against one plain Lightning
 process on the union of the ranks' batches where DDP is no control: DDP never reduces a parameter that was
 frozen when it was built, so BackboneFinetuning under DDP lets the ranks drift apart.
@@ -15,7 +15,7 @@ import torch
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "compat.py"
+SCRIPT = REPO / "tests" / "trainer" / "compat.py"
 CASES = ["manual1", "manual_accum", "manual2", "calls_itself", "calls_itself_bf16", "summary", "bf16", "fail_refit", "stays_sharded",
          "stays_sharded_bf16", "resume_bf16", "some_ranks", "adamw_foreach", "adamw_fused", "user_checkpoint",
          "lr_find", "lr_find_bf16", "torch_optim", "lbfgs_even",
@@ -311,7 +311,7 @@ def test_end_of_fit_and_saves_hold_no_more_than_one_unit(tmp_path):
     from the allocator (the profiler's memory events: every allocation and free), not the engine's counters:
     the end of fit allocates nothing beyond one unit on any rank; a full state dict and a full checkpoint
     allocate at most one unit on every rank except rank 0, which receives the full state it asked for."""
-    res = run_ranks(REPO / "tests" / "scripts" / "end_of_fit_memory.py", 4, ["--max-live", "100000"], tmp_path)
+    res = run_ranks(REPO / "tests" / "trainer" / "end_of_fit_memory.py", 4, ["--max-live", "100000"], tmp_path)
     for r in res:
         unit = r["unit_bytes"]
         assert r["stays_sharded"], r

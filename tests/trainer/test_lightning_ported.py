@@ -2,7 +2,7 @@
 
 Ported from Lightning 2.6's ``tests/tests_pytorch/strategies/test_fsdp.py``, ``test_model_parallel_integration.py``
 and the multi-device cases of ``trainer/optimization/test_manual_optimization.py`` to CPU with 2 ranks, keeping their
-assertions (they run inside the ranks: ``tests/scripts/lightning_ported.py`` and ``lightning_flows.py``). One launch
+assertions (they run inside the ranks: ``tests/trainer/lightning_ported.py`` and ``lightning_flows.py``). One launch
 per (script, strategy) runs all its cases; each test reads its case's errors and results. Where the flow allows a
 control, the results are compared with Lightning's DDP on the same seed and data: predictions, test losses,
 parameters, optimizer state.
@@ -14,8 +14,8 @@ import torch
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPTS = {"ported": REPO / "tests" / "scripts" / "lightning_ported.py",
-           "flows": REPO / "tests" / "scripts" / "lightning_flows.py"}
+SCRIPTS = {"ported": REPO / "tests" / "trainer" / "lightning_ported.py",
+           "flows": REPO / "tests" / "trainer" / "lightning_flows.py"}
 PRECISIONS = ["32-true", "bf16-mixed"]
 SEQUENCES = ["fit-test-save", "fit-validate-test-predict-save-fit", "test-fit-save", "predict-validate-fit-test-fit",
              "fit-save-test-save-fit"]

@@ -1,7 +1,7 @@
 """One rank fails alone: the whole job ends within 60 s (not at the 30-minute collective timeout), non-zero, with
 that rank's traceback in the output and no process of the job left ([Note: a lone failure] in reliability.py).
 
-Each case is a real job of 2 ranks (tests/scripts/fail_fast.py) started the user's way: a plain ``python
+Each case is a real job of 2 ranks (tests/trainer/fail_fast.py) started the user's way: a plain ``python
 script.py`` (Lightning's launcher starts the other rank) or ``torchrun``. Nothing here kills a rank: the job has to
 end by itself. The 60 s bound is the specification (the issue's "Done when"), not a performance figure.
 """
@@ -20,7 +20,7 @@ from tests.helpers.launch import REPO, free_port, run_ranks
 
 pytestmark = pytest.mark.distributed
 
-SCRIPT = REPO / "tests" / "scripts" / "fail_fast.py"
+SCRIPT = REPO / "tests" / "trainer" / "fail_fast.py"
 BOUND_S = 60
 
 
@@ -118,7 +118,7 @@ def test_a_rank_killed_during_a_save_ends_the_job_and_keeps_the_previous_checkpo
 @pytest.fixture(scope="module")
 def nonfinite(tmp_path_factory):
     out = tmp_path_factory.mktemp("nonfinite")
-    return run_ranks(REPO / "tests" / "scripts" / "nonfinite.py", 4, ["--bad-rank", "1"], out)
+    return run_ranks(REPO / "tests" / "trainer" / "nonfinite.py", 4, ["--bad-rank", "1"], out)
 
 
 def test_a_nonfinite_loss_on_one_rank_stops_every_rank_at_that_step(nonfinite):

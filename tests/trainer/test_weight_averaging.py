@@ -1,6 +1,6 @@
 """Lightning's ``WeightAveraging`` callbacks (``EMAWeightAveraging``, ``WeightAveraging``'s equal average) over the
 shards ([Note: weight averaging over the shards] in ``lightning_mics/frontends/weight_averaging.py``;
-``tests/scripts/averaging.py``), against DDP on the same data and seed: the validation losses (taken on the average,
+``tests/trainer/averaging.py``), against DDP on the same data and seed: the validation losses (taken on the average,
 which the callback swaps in and out), the parameters after fit (the average, copied in), the checkpoint's average
 and module state, and a fit resumed from a checkpoint of the first epoch against the uninterrupted one.
 
@@ -19,7 +19,7 @@ LAYOUTS = [("mics", 2), ("zero1", 2), ("mics_os", 4), ("mics_full", 4)]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "scripts" / "averaging.py", tmp_path_factory,
+    return CaseRuns(REPO / "tests" / "trainer" / "averaging.py", tmp_path_factory,
                     lambda kind: ["ema", "swa", "ema_accum"]
                     + (["ema_bf16"] if kind in ("mics", "mics_os", "ddp") else []))
 
@@ -66,10 +66,10 @@ def test_weight_averaging_under_bf16_mixed_keeps_fp32_and_resumes_exactly(runs, 
         assert max_diff(got[key], ref[key]) <= 1e-6, key
 
 
-# -- Lightning's StochasticWeightAveraging (tests/scripts/swa.py) ---------------------------------------------------
+# -- Lightning's StochasticWeightAveraging (tests/trainer/swa.py) ---------------------------------------------------
 @pytest.fixture(scope="module")
 def swa_runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "scripts" / "swa.py", tmp_path_factory, lambda kind: ["swa", "swa_bn"]
+    return CaseRuns(REPO / "tests" / "trainer" / "swa.py", tmp_path_factory, lambda kind: ["swa", "swa_bn"]
                     + (["swa_bf16"] if kind in ("mics", "mics_os") else []))
 
 

@@ -32,8 +32,8 @@ import lightning as L  # noqa: E402
 
 from lightning_mics import consolidate  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
-from tests.scripts.compat import BATCH, Net, classification_data  # noqa: E402
-from tests.scripts.writes import whole  # noqa: E402
+from tests.trainer.compat import BATCH, Net, classification_data  # noqa: E402
+from tests.user_code.writes import whole  # noqa: E402
 
 STEPS, ACCUM, LIMIT, DECAY, SAVE_AT, PENALTY = 6, 2, 0.05, 0.99, 2, 0.1
 KINDS = {"mics": dict(sharded_data_parallel_degree=2),  # [Note: writes between steps] in lent.py: the kept root

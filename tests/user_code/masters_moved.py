@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
-from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
-from tests.scripts.writes import strategy_of  # noqa: E402
+from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
+from tests.user_code.writes import strategy_of  # noqa: E402
 
 
 class Mover(torch.optim.Optimizer):

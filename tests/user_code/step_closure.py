@@ -30,9 +30,9 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm  # noqa: E402
 
 from lightning_mics import grad_norm  # noqa: E402
-from tests.scripts.compat import BATCH, Base, EvenRows, classification_data, loader, main, params  # noqa: E402
-from tests.scripts.compat import trainer_for  # noqa: E402
-from tests.scripts.writes import strategy_of  # noqa: E402
+from tests.trainer.compat import BATCH, Base, EvenRows, classification_data, loader, main, params  # noqa: E402
+from tests.trainer.compat import trainer_for  # noqa: E402
+from tests.user_code.writes import strategy_of  # noqa: E402
 
 
 class AdamW(Base):

@@ -1,4 +1,4 @@
-"""Optimizers written by hand (``tests/scripts/custom_optimizers.py``: LAMB with its per-parameter trust ratio of
+"""Optimizers written by hand (``tests/user_code/custom_optimizers.py``: LAMB with its per-parameter trust ratio of
 whole-parameter norms, Lion), against DDP on the same data and seed: the parameters after 2 epochs with
 accumulation 2. Measured: Lion 0.0 everywhere, LAMB 1.6e-7 to 3.0e-7 (the norms' summation order).
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "scripts" / "custom_optimizers.py", tmp_path_factory, lambda kind: CASES)
+    return CaseRuns(REPO / "tests" / "user_code" / "custom_optimizers.py", tmp_path_factory, lambda kind: CASES)
 
 
 CASES = ["lamb", "lion", "lamb_bf16", "lion_bf16"]

@@ -1,6 +1,6 @@
 """Optimizers that move the masters outside their own step ([Note: masters moved outside a step] in
 lightning_mics/engine/lent.py, [Note: steps the engine hears of] in lightning_mics/engine/optimizer_hooks.py): the Trainer against
-DDP on the same data and seed (``tests/scripts/masters_moved.py``); Fabric's SAM loop is in test_step_closure.py.
+DDP on the same data and seed (``tests/user_code/masters_moved.py``); Fabric's SAM loop is in test_step_closure.py.
 
 On the code before: SAM under manual optimization ended 0.19 from DDP at s = 2 and under ZeRO-1 (2 ranks), 0.15
 with the rows over replicas (4 ranks): the root (ZeRO-1: every parameter) ran its second forward on copies of the
@@ -19,13 +19,13 @@ import torch
 from lightning_mics.engine.optimizer_hooks import StepWatch, held_optimizers
 from tests.helpers.cases import CaseRuns, max_diff
 from tests.helpers.launch import REPO
-from tests.scripts.masters_moved import SAM, Lookahead
+from tests.user_code.masters_moved import SAM, Lookahead
 LAYOUTS = [("mics", 2), ("zero1", 2), ("mics_os", 4)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "scripts" / "masters_moved.py", tmp_path_factory,
+    return CaseRuns(REPO / "tests" / "user_code" / "masters_moved.py", tmp_path_factory,
                     lambda kind: ["sam_manual", "sam_closure", "lookahead", "adamw", "decay", "sam_heard",
                                   "sam_manual_bf16", "sam_heard_bf16", "sam_data"])
 

@@ -1,7 +1,7 @@
 """What runs inside an optimizer step's closure ([Note: evaluations inside a step] in lightning_mics/engine/schedule.py), and
 the gradients user code reaches through ZeRO-1's plain parameters ([Note: gradients on the plain parameters] in
-lightning_mics/engine/shown_grads.py): the Trainer against DDP on the same data and seed (``tests/scripts/step_closure.py``),
-Fabric against one plain process on the union of the ranks' batches (``tests/scripts/fabric_step.py``).
+lightning_mics/engine/shown_grads.py): the Trainer against DDP on the same data and seed (``tests/user_code/step_closure.py``),
+Fabric against one plain process on the union of the ranks' batches (``tests/user_code/fabric_step.py``).
 
 On the code before, each of these failed (max abs from the control): forwards without backward then a step reusing
 the gradients, 0.010 at s = 2 and with the rows over replicas (the update taken back from the units the forward
@@ -33,7 +33,7 @@ def trainer_cases(kind):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "scripts" / "step_closure.py", tmp_path_factory, trainer_cases)
+    return CaseRuns(REPO / "tests" / "user_code" / "step_closure.py", tmp_path_factory, trainer_cases)
 
 
 def close(world):
@@ -105,7 +105,7 @@ FABRIC_CASES = FABRIC_FP32 + FABRIC_BF16
 @pytest.fixture(scope="module")
 def fabric_runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("fabric_step")
-    res = run_ranks(REPO / "tests" / "scripts" / "fabric_step.py", 2,
+    res = run_ranks(REPO / "tests" / "user_code" / "fabric_step.py", 2,
                     ["--strategy", "fabric", "--cases", ",".join(FABRIC_CASES)], d)
     errors = {c: e for r in res for c, e in r["errors"].items()}
 

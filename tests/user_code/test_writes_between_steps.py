@@ -25,7 +25,7 @@ from tests.helpers.cases import CaseRuns, max_diff
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
-SCRIPT = REPO / "tests" / "scripts" / "writes.py"
+SCRIPT = REPO / "tests" / "user_code" / "writes.py"
 # mics_os on 2 ranks has one replica: nothing crosses replicas
 LAYOUTS = [("zero1", 2), ("zero1", 4), ("mics_os", 4), ("mics", 4)]
 
@@ -164,13 +164,13 @@ def test_taking_unwritten_bf16_copies_back_leaves_every_master_bit(runs, world):
 
 @pytest.mark.parametrize("kind", ["mics", "mics_os", "zero1"])
 def test_fabric_loop_writes_between_steps_equal_one_plain_process(tmp_path, kind):
-    """The same under Fabric (tests/scripts/fabric_writes.py, 4 ranks, accumulation 2 under no_backward_sync): a
+    """The same under Fabric (tests/user_code/fabric_writes.py, 4 ranks, accumulation 2 under no_backward_sync): a
     decay by hand after every micro-batch, a clamp after every step, a running average read after every step and
     swapped in for an evaluation forward and out again, against one plain process on the same global batches.
     Before the fixes: mics 2.7e-3 (the decay between micro-batches lost on the kept root), mics_os 4.0e-2. The
     optimizer is built after a forward with grad and no backward (a probe), which left the root gathered: before
     its plain parameters were pointed at their shards, setup_optimizers refused it as a mix of modules."""
-    run_ranks(REPO / "tests" / "scripts" / "fabric_writes.py", 4, ["--kind", kind], tmp_path)
+    run_ranks(REPO / "tests" / "user_code" / "fabric_writes.py", 4, ["--kind", kind], tmp_path)
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["n"] == 15 and r["clamped"] and r["ranks_alike"], r
     assert len(r["evals"]) == 3 and r["max_eval_diff"] <= 1e-6, r

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 from lightning_mics import MiCSStrategy, consolidate  # noqa: E402
-from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params, strategy_for  # noqa: E402
-from tests.scripts.compat import trainer_for  # noqa: E402
+from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params, strategy_for  # noqa: E402
+from tests.trainer.compat import trainer_for  # noqa: E402
 
 
 def whole(p):
