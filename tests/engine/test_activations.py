@@ -1,12 +1,11 @@
 """Activation memory: grouped checkpointing and offload measured from outside the strategy, sharded
-initialization from the meta device, and the refusals. Equivalence of checkpointing and offload with one plain
+initialization from the meta device (the refusals are in tests/options/). Equivalence of checkpointing and offload with one plain
 process is in test_equivalence.py (every model, every variant)."""
 
 import json
 
 import pytest
 
-from lightning_mics import MiCSStrategy
 from tests.helpers.launch import REPO, run_ranks
 
 pytestmark = pytest.mark.distributed
@@ -60,27 +59,6 @@ def test_meta_device_model_is_materialized_as_shards(tmp_path, where):
         # 16 KiB: what Lightning and c10d allocate around setup besides the model
         assert r["setup_peak"] <= ref["shard_bytes"] + ref["unit_bytes"] + 16 * 1024, (r, ref)
         assert r["setup_peak"] < ref["full_bytes"]
-
-
-def test_unknown_class_is_refused_when_the_strategy_is_made():
-    with pytest.raises(ValueError, match="activation_checkpointing"):
-        MiCSStrategy(activation_checkpointing=["no.such.Block"])
-
-
-@pytest.mark.parametrize("options, option", [
-    ({"activation_checkpointing": ["torch.nn.TransformerEncoderLayer"]}, "activation_checkpointing"),
-    ({"activation_checkpointing": ["tests.trainer.compat.Block"], "checkpoint_group_size": 3},
-     "checkpoint_group_size"),
-])
-def test_checkpointing_that_cannot_apply_is_refused_on_every_rank(tmp_path, options, option):
-    """A class the model does not contain; a group larger than the run of consecutive blocks (2): every rank
-    raises the same ValueError naming the option, at setup, and nobody hangs."""
-    res = run_ranks(REPO / "tests" / "options" / "bad_setup.py", 2, ["--strategy", json.dumps(dict(options, param_persistence_threshold=0))],
-                    tmp_path, timeout=120)
-    errors = {r["error"] for r in res}
-    assert len(errors) == 1, errors
-    error = errors.pop()
-    assert error is not None and error.startswith("ValueError") and f"option {option}=" in error, error
 
 
 def test_what_checkpointing_keeps_alive(tmp_path):

@@ -108,19 +108,6 @@ def test_bytes_across_replicas_and_nodes_at_most_0_3_of_fp32(tmp_path):
         assert runs[3]["val_loss"] == pytest.approx(runs[2]["val_loss"], rel=0.01)
 
 
-@pytest.mark.parametrize("kwargs, text", [
-    (dict(sharded_data_parallel_degree=4, quantize_gradients=True), "a single replica"),
-    (dict(sharded_data_parallel_degree=1, quantize_gradients="error_feedback"), "every parameter stays replicated"),
-    (dict(sharded_data_parallel_degree=2, quantize_allgather=True), "unless the parameter gather takes two hops"),
-    (dict(sharded_data_parallel_degree=2, ranks_per_node=1, hierarchical_allgather=False, quantize_allgather=True),
-     "hierarchical_allgather=False"),
-])
-def test_an_option_that_would_not_act_is_refused_before_any_process(kwargs, text):
-    with pytest.raises(ValueError, match="allowed is False") as err:
-        L.Trainer(accelerator="cpu", devices=4, strategy=MiCSStrategy(**kwargs), logger=False)
-    assert text in str(err.value)
-
-
 def test_bf16_mixed_quantized_gradients_within_bound_fp32_masters_int8_replica_traffic(tmp_path):
     """precision="bf16-mixed", 4 ranks, s = 2, r = 2, accumulation 1 and 2, quantize_gradients=True.
 

@@ -148,24 +148,10 @@ def test_two_ranks_resume_four_rank_checkpoints_load_raw_setup_order_nonfinite(f
     assert results[0]["nonfinite"]["unchanged"]  # stopped before the step changed a parameter
 
 
-def test_registered_and_options_checked_before_any_process():
+def test_registered():
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy="mics")
     assert isinstance(fabric.strategy, MiCSStrategy)
-    with pytest.raises(ValueError, match=r"sharded_data_parallel_degree=3 .*allowed is a divisor of the world size 4"):
-        L.Fabric(accelerator="cpu", devices=4, strategy=MiCSStrategy(sharded_data_parallel_degree=3))
-    with pytest.raises(ValueError, match=r"precision='64-true'.*allowed precision is one of"):
-        L.Fabric(accelerator="cpu", devices=2, strategy=MiCSStrategy(), precision="64-true")
-    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 is invalid under Fabric: allowed is 1"):
-        MiCSStrategy(tensor_parallel_degree=2)
-    with pytest.raises(ValueError, match=r"option prefetchh=1 is invalid: allowed is a keyword of"):
-        MiCSStrategy(prefetchh=1)
-    # the same refusal as under the Trainer (frontend.check_precision), with fp16 through an explicit CPU plugin
-    # (Fabric turns precision="16-mixed" into "bf16-mixed" on CPU; tests/fabric/test_fabric_fp16.py trains that way)
-    from lightning.fabric.plugins.precision import MixedPrecision
-
-    with pytest.raises(ValueError, match=r"stop_on_nonfinite=True is invalid with precision='16-mixed'"):
-        L.Fabric(accelerator="cpu", devices=2, strategy=MiCSStrategy(stop_on_nonfinite=True),
-                 plugins=MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu")))
+    # its refusals before any process: tests/options/test_refusals.py
 
 
 @pytest.mark.parametrize("case", ["quant:2:2:32", "quant:2:2:32:os"])

@@ -1,7 +1,7 @@
 """A user's script with one bad strategy option (tests/options/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
 
     python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N] [--fused-sgd]
-                        [--pruning] [--swa] [--ema] [--wrapped-blocks] [--async-io]
+                        [--pruning] [--swa] [--ema] [--wrapped-blocks]
 
 Started as ``python bad_input.py`` (Lightning's launcher would start rank 1) or under ``torchrun``. Most bad values
 are refused in ``MiCSStrategy.__init__`` or when the Trainer is made, before any process is launched; those that
@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging  # noqa: E402
-from lightning.pytorch.plugins import AsyncCheckpointIO  # noqa: E402
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -42,12 +41,10 @@ def main():
     ap.add_argument("--swa", action="store_true", help="Lightning's StochasticWeightAveraging callback")
     ap.add_argument("--ema", action="store_true", help="Lightning's EMAWeightAveraging callback")
     ap.add_argument("--wrapped-blocks", action="store_true", help="each block in torch's checkpoint_wrapper")
-    ap.add_argument("--async-io", action="store_true", help="Lightning's AsyncCheckpointIO plugin")
     args = ap.parse_args()
     rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
     try:
         plugins = [MixedPrecision(args.precision, "cpu")] if args.precision.endswith("-mixed") else []
-        plugins += [AsyncCheckpointIO()] if args.async_io else []
         trainer = L.Trainer(accelerator="cpu", devices=args.devices, max_steps=2, logger=False, plugins=plugins,
                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                             strategy=MiCSStrategy(**json.loads(args.strategy)),

@@ -1,18 +1,19 @@
-"""The bad-input table: every bad strategy option or combination, each as its own real process,
-exits non-zero within 60 s with a message naming the option, the value and what is allowed.
+"""A bad strategy option in a real job: the process exits non-zero within 60 s with a message naming the option,
+the value and what is allowed, every rank alike, before any collective.
 
-Most are refused in ``MiCSStrategy.__init__`` (lightning_mics/options.py: ``MiCSConfig.__post_init__``) or when the
-Trainer is made (``validate_world``, the precision check), before any process is launched: those run
-``tests/options/bad_input.py`` with ``devices=2`` as one process and never start the second rank (the process is
-forked from the test launcher's server that has imported Lightning, ``tests/helpers/launch.py``: what is checked
-is the refusal, not the interpreter's start; the other kinds start a fresh ``python``). Those that need the model
-(a ``shard_units`` or ``activation_checkpointing`` class the model does not contain or has already wrapped in
-torch's ``checkpoint_wrapper``, a checkpoint group longer than the run of blocks, a fused optimizer whose kernel DTensor has no rule for, Lightning's SWA, EMA and pruning callbacks) are
+The refusals that need no process (every value and combination ``MiCSStrategy.__init__`` refuses, and those
+checked when the Trainer or Fabric is made: ``validate_world``, the precision check) are rows of one in-process
+table, test_refusals.py beside this file. Here two of its rows run as a user's script (``bad_input.py`` with
+``devices=2`` as one process, forked from the test launcher's server that has imported Lightning,
+``tests/helpers/launch.py``): the process exits with the message and never starts the second rank. The others
+need a process: those that need the model (a ``shard_units`` or ``activation_checkpointing`` class the model does
+not contain or has already wrapped in torch's ``checkpoint_wrapper``, a checkpoint group longer than the run of
+blocks, a fused optimizer whose kernel DTensor has no rule for, Lightning's SWA, EMA and pruning callbacks) are
 refused at setup: Lightning's launcher starts rank 1, both ranks raise the same error before the first collective
-of the engine, and both exit (the output holds each rank's line). Two run under
-``torchrun`` (2 ranks, every rank refuses before the process group: a degree that does not divide the world, and
-``devices`` not matching torchrun's world size), and two through the Hydra app
-(``python -m lightning_mics.app.train strategy.X=...``). The 60 s bound is the specification, not a figure.
+of the engine, and both exit (the output holds each rank's line). Two run under ``torchrun`` (2 ranks, every rank
+refuses before the process group: a degree that does not divide the world, and ``devices`` not matching
+torchrun's world size), and two through the Hydra app (``python -m lightning_mics.app.train strategy.X=...``).
+The 60 s bound is the specification, not a figure.
 """
 
 import json
@@ -35,63 +36,11 @@ BOUND_S = 60
 #  substrings the output must hold: the option with its value, then what is allowed)
 INIT, SETUP, TORCHRUN, APP = "init", "setup", "torchrun", "app"
 CASES = [
-    # values, one option at a time (MiCSConfig.__post_init__)
+    # two of test_refusals.py's rows as a user's job: refused in MiCSStrategy.__init__, and when the Trainer is made
     ("degree-zero", INIT, {"sharded_data_parallel_degree": 0}, [],
      ["sharded_data_parallel_degree=0", "allowed is an integer >= 1 or None"]),
-    ("bucket-zero", INIT, {"reduce_bucket_size": 0}, [], ["reduce_bucket_size=0", "allowed is an integer >= 1"]),
-    ("persistence-negative", INIT, {"param_persistence_threshold": -1}, [],
-     ["param_persistence_threshold=-1", "allowed is an integer >= 0"]),
-    ("prefetch-negative", INIT, {"prefetch": -1}, [], ["prefetch=-1", "allowed is an integer >= 0"]),
-    ("reshard-string", INIT, {"reshard_after_forward": "no"}, [],
-     ["reshard_after_forward='no'", "allowed is True or False"]),
-    ("hierarchical-string", INIT, {"hierarchical_allgather": "yes"}, [],
-     ["hierarchical_allgather='yes'", "allowed is None (two hops when a sharding group spans whole nodes), True or False"]),
-    ("shard-units-not-a-list", INIT, {"shard_units": [3]}, [],
-     ["shard_units=[3]", "allowed is a list of module classes or their dotted names"]),
-    ("shard-units-not-a-module", INIT, {"shard_units": ["torch.Tensor"]}, [],
-     ["shard_units=['torch.Tensor']", "allowed is a list of nn.Module classes or their dotted names"]),
-    ("checkpointing-not-importable", INIT, {"activation_checkpointing": ["no.such.Block"]}, [],
-     ["activation_checkpointing=['no.such.Block']", "allowed is a list of nn.Module classes or their dotted names"]),
-    ("param-dtype-int8", INIT, {"param_dtype": "int8"}, [],
-     ["param_dtype='int8'", "allowed is one of ['16', '32', 'bf16', 'bfloat16', 'float16', 'float32', 'fp16', 'fp32']"]),
-    ("reduce-dtype-fp8", INIT, {"reduce_dtype": "fp8"}, [], ["reduce_dtype='fp8'", "allowed is one of ["]),
-    ("kernels-x", INIT, {"kernels": "x"}, [], ["kernels='x'", "allowed is 'auto' | 'triton' | 'torch'"]),
-    ("state-dict-type-x", INIT, {"state_dict_type": "x"}, [], ["state_dict_type='x'", "allowed is 'sharded'", "'full'"]),
-    ("timeout-zero", INIT, {"timeout": 0}, [], ["timeout=0", "allowed is a positive number of seconds"]),
-    ("start-method-thread", INIT, {"start_method": "thread"}, [], ["start_method='thread'", "allowed is one of"]),
-    ("checkpoint-io-sharded", INIT, {}, ["--async-io"],  # the plugin would not see a sharded save
-     ["checkpoint_io=AsyncCheckpointIO with state_dict_type='sharded'", "allowed is a CheckpointIO plugin only with "
-      "state_dict_type='full'"]),
-    # combinations (MiCSConfig.__post_init__)
-    ("offload-without-checkpointing", INIT, {"activation_offload": True}, [],
-     ["activation_offload=True", "allowed is True only together with activation_checkpointing"]),
-    ("group-size-without-checkpointing", INIT, {"checkpoint_group_size": 2}, [],
-     ["checkpoint_group_size=2", "allowed is the default 1 unless activation_checkpointing"]),
-    ("optimizer-state-with-live-cap", INIT,
-     {"shard_optimizer_state": True, "sharded_data_parallel_degree": 1, "max_live_parameters": 1000}, [],
-     ["max_live_parameters=1000", "allowed is the default 1000000000 with shard_optimizer_state=True"]),
-    ("optimizer-state-with-prefetch", INIT, {"shard_optimizer_state": True, "prefetch": 2}, [],
-     ["prefetch=2", "allowed is the default 1 with shard_optimizer_state=True"]),
-    ("optimizer-state-with-units", INIT, {"shard_optimizer_state": True, "shard_units": ["torch.nn.Linear"]}, [],
-     ["shard_units=['torch.nn.Linear']", "allowed is None with shard_optimizer_state=True"]),
-    ("optimizer-state-keep-gathered", INIT, {"shard_optimizer_state": True, "reshard_after_forward": False}, [],
-     ["reshard_after_forward=False", "allowed is True (the default) with shard_optimizer_state=True"]),
-    ("optimizer-state-with-tp", INIT, {"shard_optimizer_state": True, "tensor_parallel_degree": 2}, [],
-     ["shard_optimizer_state=True", "allowed is False with tensor_parallel_degree > 1"]),
-    ("prescaled-without-tp", INIT, {"prescaled_batch": True}, [],
-     ["prescaled_batch=True", "allowed is True only with tensor_parallel_degree > 1"]),
-    # against the world and the precision (validate_world and the precision check, when the Trainer is made)
     ("degree-not-dividing-world", INIT, {"sharded_data_parallel_degree": 3}, [],
      ["sharded_data_parallel_degree=3", "allowed is a divisor of the world size 2: [1, 2]"]),
-    ("degree-not-dividing-dp", INIT, {"sharded_data_parallel_degree": 2, "tensor_parallel_degree": 2}, [],
-     ["sharded_data_parallel_degree=2", "allowed is a divisor of the data-parallel size 1 (world 2 / "
-      "tensor_parallel_degree 2): [1]"]),
-    ("ranks-per-node-not-dividing", INIT, {"ranks_per_node": 3}, [],
-     ["ranks_per_node=3", "allowed is a divisor of the world size 2"]),
-    ("tp-not-dividing-world", INIT, {"tensor_parallel_degree": 3}, [],
-     ["tensor_parallel_degree=3", "allowed is a divisor of the world size 2: [1, 2]"]),
-    ("stop-with-16-mixed", INIT, {"stop_on_nonfinite": True}, ["--precision", "16-mixed"],
-     ["stop_on_nonfinite=True", "precision='16-mixed'", "allowed is False there"]),
     # refused on every rank: at setup (they need the model), or under torchrun before the process group
     ("shard-units-not-in-model", SETUP, {"shard_units": ["torch.nn.TransformerEncoderLayer"]}, [],
      ["shard_units=['TransformerEncoderLayer']", "allowed is classes of modules in the model"]),

@@ -32,48 +32,12 @@ def test_node_subgroups_when_a_shard_group_spans_nodes():
     assert lay.inter_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
-@pytest.mark.parametrize("kwargs, option", [
-    (dict(sharded_data_parallel_degree=0), "sharded_data_parallel_degree"),
-    (dict(reduce_bucket_size=0), "reduce_bucket_size"),
-    (dict(param_persistence_threshold=-1), "param_persistence_threshold"),
-    (dict(prefetch=1.5), "prefetch"),
-    (dict(kernels="cuda"), "kernels"),
-    (dict(state_dict_type="zip"), "state_dict_type"),
-    (dict(param_dtype="int8"), "param_dtype"),
-    (dict(hierarchical_allgather="yes"), "hierarchical_allgather"),
-    (dict(activation_offload=True), "activation_offload"),
-    (dict(timeout=0), "timeout"),
-    (dict(quantize_gradients="int8"), "quantize_gradients='int8'"),
-    (dict(quantize_allgather=1), "quantize_allgather=1"),
-    (dict(quantization_block_size=0), "quantization_block_size=0"),
-    (dict(quantization_block_size=1 << 17), "quantization_block_size=131072"),
-    (dict(quantization_block_size=4096), "quantization_block_size=4096"),  # without a quantize option
-    (dict(start_method="thread"), "start_method"),
-])
-def test_bad_option_is_a_value_error_naming_it(kwargs, option):
-    with pytest.raises(ValueError, match=option) as err:
-        MiCSStrategy(**kwargs)
-    assert "allowed" in str(err.value)
-
-
-def test_degree_must_divide_world_before_any_process_starts():
-    with pytest.raises(ValueError, match=r"sharded_data_parallel_degree=3 .*divisor of the world size 4"):
-        L.Trainer(accelerator="cpu", devices=4, strategy=MiCSStrategy(sharded_data_parallel_degree=3))
-
-
 def test_registered_and_config_roundtrip():
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="mics", logger=False)
     assert isinstance(trainer.strategy, MiCSStrategy)
     assert MiCSConfig(reduce_bucket_size=5e8).reduce_bucket_size == 500_000_000
     assert set(MiCSConfig.names()) <= set(inspect.signature(MiCSStrategy).parameters)  # [Note: one option list]
     assert lightning_mics.MiCSStrategy is MiCSStrategy
-
-
-def test_bad_shard_units_class_name():
-    from lightning_mics.layout.sharding import resolve_classes
-
-    with pytest.raises(ValueError, match="shard_units"):
-        resolve_classes(["no.such.Block"], "shard_units")
 
 
 @pytest.mark.distributed
@@ -88,9 +52,6 @@ def test_timeout_reaches_the_process_group(tmp_path, front, given):
     assert all(r["group_timeouts_s"] and set(r["group_timeouts_s"]) == {33.0} for r in results), results
 
 
-def test_timeout_as_timedelta_is_seconds_and_a_bad_one_names_it():
+def test_timeout_as_timedelta_is_seconds():
     assert MiCSConfig(timeout=timedelta(minutes=2)).timeout == 120.0
     assert mics_fabric.MiCSStrategy(timeout=timedelta(seconds=5)).options.timeout == 5.0
-    with pytest.raises(ValueError, match=r"timeout=datetime.timedelta\(days=-1.*allowed is a positive number of "
-                                         r"seconds or a positive datetime.timedelta"):
-        MiCSStrategy(timeout=timedelta(seconds=-1))

@@ -151,16 +151,3 @@ def test_the_check_costs_one_small_all_reduce_when_on_and_nothing_when_off(nonfi
             for event in step_off:
                 extra.remove(event)
             assert extra == [["all_reduce", [0, 1, 2, 3]]], (step_off, step_on)
-
-
-def test_option_is_validated_before_any_process():
-    from lightning_mics import MiCSStrategy
-
-    with pytest.raises(ValueError, match=r"stop_on_nonfinite='yes' is invalid: allowed is True or False"):
-        MiCSStrategy(stop_on_nonfinite="yes")
-    import lightning as L
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    with pytest.raises(ValueError, match=r"stop_on_nonfinite=True is invalid with precision='16-mixed'"):
-        L.Trainer(accelerator="cpu", devices=1, plugins=[MixedPrecision("16-mixed", "cpu")],
-                  strategy=MiCSStrategy(stop_on_nonfinite=True))
