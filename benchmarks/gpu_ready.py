@@ -758,7 +758,7 @@ def sanitizer_cases(args, part: str) -> List[Any]:
         return [dict(v) for v in FP32] if not reduced else [{"s": 2, "prefetch": 2}]
     if part == "fabric":
         return list(LATE_FABRIC) if not reduced else ['late:2:2:adamw:norm:32-true:{"prefetch":2}']
-    ac_fabric = {"activation_checkpointing": ["tests.fabric.fabric_loop.Block"], "checkpoint_group_size": 2,
+    ac_fabric = {"activation_checkpointing": ["tests.helpers.models.MLPBlock"], "checkpoint_group_size": 2,
                  "activation_offload": True}
     ac_trainer = {"activation_checkpointing": [BLOCK], "checkpoint_group_size": 2, "activation_offload": True}
     cases = [("fabric", "32-true", "s1", {}), ("fabric", "32-true", "zero1", {"shard_optimizer_state": True}),

@@ -1,6 +1,6 @@
 """DTensors a checkpoint holds beside the model ([Note: DTensors beside the model] in
 lightning_mics/checkpoint/beside.py): a hand-written EMA of the parameters, kept as clones of them, one case after
-another in one process (one rank; ``compat.py``'s ``main``):
+another in one process (one rank; ``tests/helpers/trainer_cases.py``'s ``main``):
 
     python beside.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp|fabric_mics_os|... --cases ema,...
 
@@ -36,9 +36,9 @@ import lightning as L  # noqa: E402
 
 from lightning_mics import consolidate  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
-from tests.trainer.compat import BATCH, Base, Net, classification_data, loader, main, params  # noqa: E402
-from tests.trainer.compat import strategy_for, trainer_for  # noqa: E402
-from tests.user_code.writes import strategy_of, whole  # noqa: E402
+from tests.helpers.models import Net  # noqa: E402
+from tests.helpers.trainer_cases import (BATCH, Base, classification_data, loader, main, params,  # noqa: E402
+                                         strategy_for, strategy_of, trainer_for, whole)
 
 RATE = 0.3
 

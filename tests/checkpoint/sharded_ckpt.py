@@ -36,14 +36,15 @@ import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.checkpoint import state as ckpt  # noqa: E402
 from lightning_mics.layout.placement import is_sharded  # noqa: E402
-from tests.engine.equiv import VOCAB, TiedFrozen, data, make_optimizer  # noqa: E402
+from tests.engine.equiv import data, make_optimizer  # noqa: E402
+from tests.helpers.models import VOCAB, TiedFrozen  # noqa: E402
 
 EXTRA = {}  # --extra: more strategy options for every run of this process
 THRESHOLD = 100  # biases stay replicated; every matrix is sharded, tiny.weight (3 rows) leaves rank 3 of s=4 none
 
 
 class Net(nn.Module):
-    """equiv's TiedFrozen (tied embedding/head, a frozen and an unused parameter) and a 3-row head."""
+    """TiedFrozen (tied embedding/head, a frozen and an unused parameter) and a 3-row head."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -24,7 +24,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
 
 from lightning_mics.engine import activations  # noqa: E402
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from tests.helpers.models import gpt  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
 from lightning_mics.frontends.trainer import MiCSStrategy  # noqa: E402
 
@@ -33,7 +33,7 @@ VOCAB = 64
 
 def gpt_and_batch():
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=4, n_head=2, n_embd=32))
+    model = gpt(4, VOCAB, block_size=16)
     inputs = []
     for block in model.h:
         block.register_forward_pre_hook(lambda module, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))

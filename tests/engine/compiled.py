@@ -34,7 +34,8 @@ from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCSStrategy  # noqa: E402
-from tests.trainer.compat import BATCH, Base, Net, classification_data  # noqa: E402
+from tests.helpers.models import Net  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data  # noqa: E402
 
 STEPS, ACCUM = 4, 2
 

@@ -22,65 +22,20 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 import lightning_mics  # noqa: E402
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 from tests.helpers.late_collectives import LateCollectives  # noqa: E402
 from tests.helpers.live import LiveMeter  # noqa: E402
+from tests.helpers.models import SEQ, VOCAB, DemoTransformer, TiedFrozen, gpt  # noqa: E402
 
-VOCAB, SEQ = 61, 12  # deliberately odd sizes: uneven shards and padding
 LAYERS = 2  # GPT blocks (--layers)
 MEASURE = False  # --measure: bytes kept for backward and forward ops replayed in backward
-
-
-class TiedFrozen(nn.Module):
-    """Tied embedding/head, a frozen projection, a parameter unused in the loss, a module called twice,
-    and a module whose forward uses another module's weight (the seed's register_parameter case)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        d = 24
-        self.emb = nn.Embedding(VOCAB, d)
-        self.frozen = nn.Linear(d, d)
-        self.frozen.requires_grad_(False)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 40), nn.GELU(), nn.Linear(40, d)) for _ in range(2))
-        self.shared = nn.Linear(d, d)  # called twice per forward
-        self.unused = nn.Linear(d, 17)  # never part of the loss
-        self.mix = nn.Linear(d, d)
-        self.head = nn.Linear(d, VOCAB, bias=False)
-        self.head.weight = self.emb.weight
-        lightning_mics.register_parameter(self.mix, self.frozen.weight)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        x = x + self.frozen(x)
-        for b in self.blocks:
-            x = x + b(x)
-        x = self.shared(torch.tanh(self.shared(x)))
-        x = self.mix(x) + F.linear(x, self.frozen.weight) * 0.1
-        return self.head(x)
-
-    def loss(self, idx, tgt):
-        logits = self(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
-
-
-class DemoTransformer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        from lightning.pytorch.demos import Transformer
-
-        self.net = Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=48, nlayers=2, dropout=0.0)
-
-    def loss(self, idx, tgt):
-        out = self.net(idx, tgt)
-        return F.nll_loss(out, tgt.reshape(-1))
 
 
 def build(name):
     torch.manual_seed(1234)
     if name == "gpt":
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=32))
+        return gpt(LAYERS)
     if name == "demo":
         return DemoTransformer()
     if name == "tied":

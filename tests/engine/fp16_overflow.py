@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # no
 
 from lightning_mics import MiCSStrategy  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from tests.helpers.models import gpt  # noqa: E402
 
 BLOW_UP_STEP = 1
 
@@ -31,7 +31,7 @@ class Module(L.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.model = GPT(GPTConfig(vocab_size=61, block_size=12, n_layer=2, n_head=2, n_embd=32))
+        self.model = gpt()
 
     def training_step(self, batch, idx):
         loss = self.model.loss(*batch)

@@ -5,7 +5,7 @@ tensor data during the steady-state steps, after ``--warmup`` steps. The loop it
 
 Variants (``--variants``, JSON list): ``{"name": ..., "options": {MiCSStrategy options}, "precision": ...,
 "clip": null | "norm" | "norm_nocheck" | "value", "accum": n, "trainer": false}`` (``"activation_checkpointing":
-"Block"`` names this script's block). With ``"trainer": true`` the
+"Block"`` names its blocks, tests/helpers/models.py's ``MLPBlock``). With ``"trainer": true`` the
 same model trains under ``L.Trainer`` (logger, progress bar, checkpointing and validation off; the training step
 returns the loss, logs nothing); a callback counts from each steady-state batch's start to its end, and clipping
 is the Trainer's ``gradient_clip_val`` (``"norm"``) or ``gradient_clip_algorithm="value"`` (``"value"``).
@@ -30,37 +30,15 @@ import lightning as L  # noqa: E402
 import lightning_mics  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.helpers.host_reads import HostReads  # noqa: E402
+from tests.helpers.models import MLPBlock, Tiny  # noqa: E402
 
 D, VOCAB, SEQ, BATCH = 24, 37, 6, 2
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(D, 40), nn.Linear(40, D)
-
-    def forward(self, x):
-        return x + self.down(Fn.gelu(self.up(x)))
-
-
-class Tiny(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x)
-
-
 def _options(variant):
     options = dict(param_persistence_threshold=16, **variant["options"])
-    if options.get("activation_checkpointing") == "Block":  # this module runs as __main__: the class itself
-        options["activation_checkpointing"] = [Block]
+    if options.get("activation_checkpointing") == "Block":  # the blocks of the model below
+        options["activation_checkpointing"] = [MLPBlock]
     return options
 
 
@@ -70,7 +48,7 @@ def run(variant, world, steps, warmup):
                       precision=variant.get("precision", "32-true"))
     fabric.launch()
     torch.manual_seed(0)
-    model = Tiny()
+    model = Tiny(VOCAB, D, 3, norm=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = fabric.setup(model, opt)
     g = torch.Generator().manual_seed(fabric.global_rank)
@@ -101,7 +79,7 @@ def run(variant, world, steps, warmup):
 class Module(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model = Tiny()
+        self.model = Tiny(VOCAB, D, 3, norm=False)
 
     def training_step(self, batch, batch_idx):
         x = batch[0]

@@ -29,7 +29,7 @@ import lightning as L  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lightning_mics.frontends import shared as frontend  # noqa: E402
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from tests.helpers import models  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
 from lightning_mics.frontends.trainer import MiCSStrategy  # noqa: E402
 
@@ -39,7 +39,7 @@ WORLD = int(os.environ["WORLD_SIZE"])
 
 def gpt():
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    return models.gpt(2, VOCAB, block_size=16)
 
 
 def tokens(rank):

@@ -25,46 +25,20 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
+from tests.helpers.models import Net  # noqa: E402
 
 V, D, H, C, T, BLOCKS = 97, 128, 512, 61, 5, 6
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, H)
-        self.fc2 = nn.Linear(H, D)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
-class Net(nn.Module):
-    """All of its initialization is its modules' reset_parameters (sharded initialization replays that)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.head = nn.Linear(D, C)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x.mean(1))
 
 
 class Module(L.LightningModule):
     def __init__(self, build_in_configure_model):
         super().__init__()
-        self.net = None if build_in_configure_model else Net()
+        self.net = None if build_in_configure_model else Net(V, D, H, C, BLOCKS)
 
     def configure_model(self):
         if self.net is None:
             with torch.device("meta"):
-                self.net = Net()
+                self.net = Net(V, D, H, C, BLOCKS)
 
     def training_step(self, batch, batch_idx):
         idx, y = batch
@@ -117,7 +91,7 @@ def main():
     result = {"rank": rank, "meta_before": meta_before, "setup_peak": watch.peak}
     if rank == 0:
         torch.manual_seed(0)
-        ref = Net()  # the same seed on a real device
+        ref = Net(V, D, H, C, BLOCKS)  # the same seed on a real device
         init = {k[len("net."):]: v for k, v in watch.init.items()}
         result["init_max_abs"] = max((init[k] - v).abs().max().item() for k, v in ref.state_dict().items())
         full_bytes = sum(p.numel() * 4 for p in ref.parameters())

@@ -1,6 +1,6 @@
 """Activation memory: grouped checkpointing and offload measured from outside the strategy, sharded
-initialization from the meta device (the refusals are in tests/options/). Equivalence of checkpointing and offload with one plain
-process is in test_equivalence.py (every model, every variant)."""
+initialization from the meta device. Equivalence of checkpointing and offload with one plain process is in
+test_equivalence.py (every model, every variant); the refusals are in tests/options/."""
 
 import json
 

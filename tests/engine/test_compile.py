@@ -72,7 +72,7 @@ def test_compiled_model_under_bf16_mixed_holds_fp32_masters(tmp_path, ddp, front
     assert got["graphs_first_step"] >= 1 and got["graphs_end"] == got["graphs_first_step"], got
 
 
-AC = {"activation_checkpointing": ["tests.trainer.compat.Block"]}
+AC = {"activation_checkpointing": ["tests.helpers.models.Block"]}
 
 
 @pytest.mark.parametrize("front, options", [("fabric", AC), ("fabric", {**AC, "checkpoint_group_size": 2,

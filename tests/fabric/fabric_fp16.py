@@ -24,7 +24,8 @@ import lightning as L  # noqa: E402
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
-from tests.fabric.fabric_loop import STEPS, Tiny, batches, compare_global, lm_loss  # noqa: E402
+from tests.fabric.fabric_loop import STEPS, batches, compare_global, lm_loss  # noqa: E402
+from tests.helpers.models import Tiny  # noqa: E402
 
 BLOW_UP_STEP = 1
 

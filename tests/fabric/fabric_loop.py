@@ -43,33 +43,10 @@ from lightning_mics.layout.sharding import stays_replicated  # noqa: E402
 from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 from tests.helpers.late_collectives import LateCollectives  # noqa: E402
+from tests.helpers.models import Tiny  # noqa: E402
 
 VOCAB, SEQ, D = 61, 8, 24  # odd sizes: uneven shards and padding
 GLOBAL_BATCH, STEPS = 8, 4
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(D, 40), nn.Linear(40, D)
-
-    def forward(self, x):
-        return x + self.down(Fn.gelu(self.up(x)))
-
-
-class Tiny(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(VOCAB, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(layers))
-        self.norm = nn.LayerNorm(D)
-        self.head = nn.Linear(D, VOCAB)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
 
 
 class Critic(nn.Module):  # the GAN's second model: scores the first one's output distribution
@@ -181,11 +158,11 @@ def setup(fabric, how, kind, layers=2):
     torch.manual_seed(0)
     if how == "meta":
         with fabric.init_module(empty_init=True):
-            model = Tiny(layers)
+            model = Tiny(layers=layers)
         on_meta = all(p.is_meta for p in model.parameters())
         model = fabric.setup_module(model)
         return model, fabric.setup_optimizers(optimizer(kind, model.parameters())), on_meta
-    model = Tiny(layers)
+    model = Tiny(layers=layers)
     if how == "joint":
         model, opt = fabric.setup(model, optimizer(kind, model.parameters()))
         return model, opt, False

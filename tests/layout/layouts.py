@@ -18,7 +18,8 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.trainer.compat import BATCH, BF16, classification_data  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, classification_data  # noqa: E402
+from tests.trainer.compat import BF16  # noqa: E402
 
 
 def live_groups() -> int:

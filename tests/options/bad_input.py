@@ -27,7 +27,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.trainer.compat import BATCH, Base, classification_data  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data  # noqa: E402
 
 
 def main():

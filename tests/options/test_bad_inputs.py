@@ -46,12 +46,12 @@ CASES = [
      ["shard_units=['TransformerEncoderLayer']", "allowed is classes of modules in the model"]),
     ("checkpointing-not-in-model", SETUP, {"activation_checkpointing": ["torch.nn.TransformerEncoderLayer"]}, [],
      ["activation_checkpointing=['torch.nn.TransformerEncoderLayer']", "contains no instance of"]),
-    ("group-longer-than-run", SETUP, {"activation_checkpointing": ["tests.trainer.compat.Block"],
+    ("group-longer-than-run", SETUP, {"activation_checkpointing": ["tests.helpers.models.Block"],
                                       "checkpoint_group_size": 3}, [],
      ["checkpoint_group_size=3", "allowed: 1..2"]),
-    ("checkpointing-wrapped-blocks", SETUP, {"activation_checkpointing": ["tests.trainer.compat.Block"]},
+    ("checkpointing-wrapped-blocks", SETUP, {"activation_checkpointing": ["tests.helpers.models.Block"]},
      ["--wrapped-blocks"],  # the user's own checkpoint_wrapper around each block: Lightning's FSDP ignores its option
-     ["activation_checkpointing=['tests.trainer.compat.Block']", "already checkpoints", "Allowed: this option "
+     ["activation_checkpointing=['tests.helpers.models.Block']", "already checkpoints", "Allowed: this option "
       "without the wrappers, or the wrappers with activation_checkpointing=None"]),
     ("pruning-callback", SETUP, {}, ["--pruning"],  # Lightning's pruning callback
      ["callbacks not supported: ModelPruning (it replaces each pruned parameter", "Allowed: none of these."]),

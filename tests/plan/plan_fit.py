@@ -22,32 +22,16 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
-
-VOCAB, SEQ = 61, 12  # odd sizes: uneven shards and padding
-
-
-class DemoTransformer(nn.Module):
-    """Lightning's demo encoder-decoder (nn.Transformer): units are its encoder and decoder layers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from lightning.pytorch.demos import Transformer
-
-        self.net = Transformer(vocab_size=VOCAB, ninp=32, nhead=2, nhid=48, nlayers=2, dropout=0.0)
-
-    def loss(self, idx, tgt):
-        return F.nll_loss(self.net(idx, tgt), tgt.reshape(-1))
+from tests.helpers.models import SEQ, VOCAB, DemoTransformer, gpt  # noqa: E402
 
 
 def build(name: str) -> nn.Module:
     torch.manual_seed(1234)
     if name == "gpt":
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=3, n_head=2, n_embd=32))
+        return gpt(3)
     if name == "gpt_untied":
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=24,
-                                 tie_weights=False))
+        return gpt(2, n_embd=24, tie_weights=False)
     if name == "demo":
         return DemoTransformer()
     raise ValueError(name)

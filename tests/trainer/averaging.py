@@ -1,5 +1,5 @@
 """Lightning's ``WeightAveraging`` callbacks under a strategy ([Note: weight averaging over the shards] in
-lightning_mics/frontends/weight_averaging.py), one case after another in one process (one rank; ``compat.py``'s ``main``):
+lightning_mics/frontends/weight_averaging.py), one case after another in one process (one rank; ``tests/helpers/trainer_cases.py``'s ``main``):
 
     python averaging.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp --cases ema,swa,ema_bf16,ema_accum
 
@@ -25,9 +25,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import EMAWeightAveraging, WeightAveraging  # noqa: E402
 
 from lightning_mics import MiCSStrategy, consolidate  # noqa: E402
-from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params  # noqa: E402
-from tests.trainer.compat import strategy_for, trainer_for  # noqa: E402
-from tests.user_code.writes import strategy_of  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data, loader, main, params, strategy_for, strategy_of, trainer_for  # noqa: E402
 
 
 class Tracked(Base):

@@ -10,7 +10,7 @@
 - ``on_exception``: ``training_step`` raises at step 5 on every rank, ``OnExceptionCheckpoint`` saves, and a second
   fit resumes from that checkpoint to the end.
 
-AdamW with a StepLR schedule; rank 0 saves the parameters and the case's observations (``compat.py``'s ``main``).
+AdamW with a StepLR schedule; rank 0 saves the parameters and the case's observations (``tests/helpers/trainer_cases.py``'s ``main``).
 """
 
 import os
@@ -25,8 +25,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import EarlyStopping, GradientAccumulationScheduler  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint  # noqa: E402
 
-from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
-from tests.user_code.writes import strategy_of  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data, loader, main, params, strategy_of, trainer_for  # noqa: E402
 
 RAISE_AT = 5
 

@@ -8,12 +8,8 @@ against the control run (DDP, or "single": one plain Lightning process on the un
 parameter sharded (param_persistence_threshold=0).
 """
 
-import argparse
-import json
-import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -26,71 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import BackboneFinetuning  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.pytorch.utilities.model_summary import ModelSummary  # noqa: E402
 from lightning.pytorch.tuner import Tuner  # noqa: E402
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
 
 import lightning_mics  # noqa: E402
-from lightning_mics import MiCSStrategy  # noqa: E402
-from tests.helpers.bf16_policy import Bf16Copies  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
-
-V, D, H, C, T = 37, 24, 48, 32, 5  # vocab, width, hidden, classes, sequence: odd sizes, uneven shards
-BATCH = 4  # per rank
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln = nn.LayerNorm(D)
-        self.fc1 = nn.Linear(D, H)
-        self.fc2 = nn.Linear(H, D)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
-class Net(nn.Module):
-    """An embedding and a head (the root unit's) around two blocks in a ModuleList (two units)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.head = nn.Linear(D, C)
-
-    def forward(self, idx):
-        x = self.emb(idx)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x.mean(1))
-
-
-def classification_data(n):
-    g = torch.Generator().manual_seed(7)
-    return TensorDataset(torch.randint(0, V, (n, T), generator=g), torch.randint(0, C, (n,), generator=g))
-
-
-class Base(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = Net()
-
-    def forward(self, idx):
-        return self.net(idx)
-
-    def loss(self, batch):
-        idx, y = batch
-        return F.cross_entropy(self(idx), y)
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
-
+from tests.helpers.models import C, D, V, Block  # noqa: E402
+from tests.helpers.trainer_cases import (BATCH, T, Base, classification_data, loader, main, params,  # noqa: E402
+                                         strategy_for, trainer_for)
 
 # -- manual optimization -----------------------------------------------------------------------------------
 class ManualOne(Base):
@@ -379,37 +320,6 @@ class Boom(LateReplica):
             raise RuntimeError("boom at step 2")
 
 
-# -- running ---------------------------------------------------------------------------------------------------
-def strategy_for(kind, **options):
-    if kind in ("mics", "mics_os"):  # mics_os: [Note: optimizer rows over replicas] (r = 2 on 4 ranks)
-        return MiCSStrategy(**{"sharded_data_parallel_degree": 2, "param_persistence_threshold": 0,
-                               "shard_optimizer_state": kind == "mics_os", **options})
-    if kind == "ddp":
-        return DDPStrategy(find_unused_parameters=True)
-    return "auto"
-
-
-def loader(ds, kind, world, rank, batch=BATCH):
-    if kind == "single":  # the union of the ranks' batches: DistributedSampler(shuffle=False) is strided
-        return DataLoader(ds, batch_size=batch * world)
-    return DataLoader(ds, batch_size=batch, sampler=DistributedSampler(ds, world, rank, shuffle=False))
-
-
-def trainer_for(kind, world, **kwargs):
-    strategy = kwargs.pop("strategy", None) or strategy_for(kind)
-    if kind == "ddp" and kwargs.get("precision") == "bf16-mixed":
-        kwargs["callbacks"] = [*kwargs.get("callbacks", []), Bf16Copies()]
-    base = dict(accelerator="cpu", devices=1 if kind == "single" else world, strategy=strategy,
-                logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                use_distributed_sampler=False, num_sanity_val_steps=0)
-    base.update(kwargs)
-    return L.Trainer(**base)
-
-
-def params(module):
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
-
-
 def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
     result = {}
@@ -585,28 +495,5 @@ def run_case(case, kind, world, rank, out):
     return result
 
 
-def main(run=None):
-    """Runs each of ``--cases`` through ``run`` (this script's ``run_case`` by default; ``layer_sync.py`` passes
-    its own), rank 0 saving each result, and records every case's traceback in ``result<rank>.json``."""
-    run = run or run_case
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--strategy", required=True)
-    ap.add_argument("--cases", required=True)
-    args = ap.parse_args()
-    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    world_data = int(os.environ.get("DATA_WORLD", world))  # "single" reads the batches of this many ranks
-    errors = {}
-    for case in args.cases.split(","):
-        try:
-            result = run(case, args.strategy, world_data, rank, args.out)
-            if rank == 0:
-                torch.save(result, Path(args.out) / f"{case}.pt")
-        except Exception:
-            errors[case] = traceback.format_exc()
-            print(errors[case], flush=True)
-    (Path(args.out) / f"result{rank}.json").write_text(json.dumps({"errors": errors}))
-
-
 if __name__ == "__main__":
-    main()
+    main(run_case)

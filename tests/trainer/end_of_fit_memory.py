@@ -25,25 +25,16 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
+from tests.helpers.models import Block  # noqa: E402
 
 D, H, V, C, N_BLOCKS = 64, 256, 61, 61, 6
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(D, H)
-        self.fc2 = nn.Linear(H, D)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(x)))
 
 
 class Model(L.LightningModule):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(V, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(N_BLOCKS))
+        self.blocks = nn.ModuleList(Block(D, H, norm=False) for _ in range(N_BLOCKS))
         self.head = nn.Linear(D, C)
 
     def training_step(self, batch, batch_idx):

@@ -30,7 +30,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_mics  # noqa: E402,F401  registers "mics"
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from tests.helpers.models import gpt  # noqa: E402
 
 FAIL_STEP = 3
 
@@ -48,7 +48,7 @@ class Module(L.LightningModule):
     def __init__(self, mode, fail_rank):
         super().__init__()
         self.mode, self.fail_rank = mode, fail_rank
-        self.model = GPT(GPTConfig(vocab_size=61, block_size=12, n_layer=2, n_head=2, n_embd=32))
+        self.model = gpt()
 
     def training_step(self, batch, idx):
         if self.mode == "step" and self.global_rank == self.fail_rank and self.global_step == FAIL_STEP:

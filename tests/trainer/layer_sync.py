@@ -31,8 +31,8 @@ from lightning.pytorch.plugins.layer_sync import LayerSync  # noqa: E402
 
 from lightning_mics.frontends.shared import engine_of  # noqa: E402
 
-from tests.trainer.compat import BATCH, D, H, Base, Block, classification_data, loader, main, params, \
-    strategy_for, trainer_for  # noqa: E402
+from tests.helpers.models import D, H, Block  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data, loader, main, params, strategy_for, trainer_for  # noqa: E402
 
 
 class AllReducedBatchNorm1d(nn.BatchNorm1d):

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from lightning_mics import MiCSStrategy  # noqa: E402
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from tests.helpers.models import gpt  # noqa: E402
 from lightning_mics.layout.placement import local  # noqa: E402
 from lightning_mics.frontends.reliability import NonFiniteError  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
@@ -36,7 +36,7 @@ class Module(L.LightningModule):
     def __init__(self, bad, bad_rank):
         super().__init__()
         self.bad, self.bad_rank = bad, bad_rank
-        self.model = GPT(GPTConfig(vocab_size=61, block_size=12, n_layer=2, n_head=2, n_embd=32))
+        self.model = gpt()
 
     def training_step(self, batch, idx):
         loss = self.model.loss(*batch)

@@ -13,13 +13,13 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 import lightning_mics  # noqa: E402,F401  registers "mics"
-from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from tests.helpers.models import gpt  # noqa: E402
 
 
 class Module(L.LightningModule):
     def __init__(self):
         super().__init__()
-        self.model = GPT(GPTConfig(vocab_size=61, block_size=12, n_layer=2, n_head=2, n_embd=32))
+        self.model = gpt()
 
     def training_step(self, batch, idx):
         return self.model.loss(*batch)

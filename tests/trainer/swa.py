@@ -1,5 +1,5 @@
 """Lightning's ``StochasticWeightAveraging`` under a strategy ([Note: weight averaging over the shards] in
-lightning_mics/frontends/weight_averaging.py), one case after another in one process (one rank; ``compat.py``'s ``main``):
+lightning_mics/frontends/weight_averaging.py), one case after another in one process (one rank; ``tests/helpers/trainer_cases.py``'s ``main``):
 
     python swa.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp --cases swa,swa_bn
 
@@ -26,9 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import StochasticWeightAveraging  # noqa: E402
 
-from tests.trainer.compat import BATCH, D, Base, classification_data, loader, main, params  # noqa: E402
-from tests.trainer.compat import strategy_for, trainer_for  # noqa: E402
-from tests.user_code.writes import strategy_of  # noqa: E402
+from tests.helpers.models import D  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data, loader, main, params, strategy_for, strategy_of, trainer_for  # noqa: E402
 
 SAVE_AT = 1
 

@@ -1,5 +1,5 @@
 """Optimizers written by hand, per parameter, as a user writes one (no foreach, no fused kernel), under a strategy,
-one case after another in one process (one rank; ``compat.py``'s ``main``):
+one case after another in one process (one rank; ``tests/helpers/trainer_cases.py``'s ``main``):
 
     python custom_optimizers.py --out DIR --strategy mics|mics_os|zero1|ddp --cases lamb,lion
 
@@ -21,8 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 
-from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
-from tests.user_code.writes import strategy_of  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data, loader, main, params, strategy_of, trainer_for  # noqa: E402
 
 
 class ByHand(torch.optim.Optimizer):

@@ -1,5 +1,5 @@
-"""One rank of ``tests/user_code/test_step_closure.py``'s Fabric cases (``--strategy fabric --cases ...``, ``compat.py``'s
-main): loops as users write them, under MiCS's layouts, against one plain process on the union of the ranks' batches
+"""One rank of ``tests/user_code/test_step_closure.py``'s Fabric cases (``--strategy fabric --cases ...``,
+tests/helpers/trainer_cases.py's ``main``): loops as users write them, under MiCS's layouts, against one plain process on the union of the ranks' batches
 (computed on rank 0). Each case gets its own ``L.Fabric``; rank 0 saves ``<case>.pt``: the parameters, the
 reference's, and whether the module shows gradients after a last forward.
 
@@ -39,7 +39,7 @@ import lightning as L  # noqa: E402
 
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
 from tests.helpers.bf16_policy import on_bf16_copies  # noqa: E402
-from tests.trainer.compat import main  # noqa: E402
+from tests.helpers.trainer_cases import main  # noqa: E402
 from tests.user_code.custom_optimizers import Lamb, Lion  # noqa: E402
 from tests.user_code.masters_moved import SAM, Lookahead, decay_by_hand  # noqa: E402
 

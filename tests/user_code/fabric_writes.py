@@ -3,7 +3,7 @@ process on the same global batches, the union of the ranks' micro-batches).
 
     python fabric_writes.py --out DIR --kind mics|mics_os|zero1
 
-compat.py's Net, SGD with momentum, accumulation 2 under ``no_backward_sync``; after every micro-batch every parameter
+tests/helpers/models.py's Net, SGD with momentum, accumulation 2 under ``no_backward_sync``; after every micro-batch every parameter
 is scaled by 0.99 (a decay by hand: also between the micro-batches of a window), after every step clamped to [-0.05,
 0.05] (WGAN's weight clipping); after every step a running average of the parameters is updated (read), and after every
 second step it is swapped in for an evaluation forward under ``no_grad`` and swapped out again; right after the clamp of
@@ -32,8 +32,8 @@ import lightning as L  # noqa: E402
 
 from lightning_mics import consolidate  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy  # noqa: E402
-from tests.trainer.compat import BATCH, Net, classification_data  # noqa: E402
-from tests.user_code.writes import whole  # noqa: E402
+from tests.helpers.models import Net  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, classification_data, whole  # noqa: E402
 
 STEPS, ACCUM, LIMIT, DECAY, SAVE_AT, PENALTY = 6, 2, 0.05, 0.99, 2, 0.1
 KINDS = {"mics": dict(sharded_data_parallel_degree=2),  # [Note: writes between steps] in lent.py: the kept root

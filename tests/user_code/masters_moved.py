@@ -1,5 +1,5 @@
 """Optimizers that move the masters outside their own step, under a strategy, one case after another in one process
-(one rank; ``compat.py``'s ``main``):
+(one rank; ``tests/helpers/trainer_cases.py``'s ``main``):
 
     python masters_moved.py --out DIR --strategy mics|mics_os|zero1|ddp --cases sam_manual,sam_closure,lookahead
 
@@ -36,8 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
-from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params, trainer_for  # noqa: E402
-from tests.user_code.writes import strategy_of  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data, loader, main, params, strategy_of, trainer_for  # noqa: E402
 
 
 class Mover(torch.optim.Optimizer):

@@ -1,5 +1,5 @@
 """What runs inside an optimizer step's closure, and the gradients user code reaches through the module, under a
-strategy, one case after another in one process (one rank; ``compat.py``'s ``main``):
+strategy, one case after another in one process (one rank; ``tests/helpers/trainer_cases.py``'s ``main``):
 
     python step_closure.py --out DIR --strategy mics|mics_os|zero1|ddp --cases no_backward,clamp_before_step,...
 
@@ -30,9 +30,8 @@ from lightning.pytorch.callbacks import Callback  # noqa: E402
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm  # noqa: E402
 
 from lightning_mics import grad_norm  # noqa: E402
-from tests.trainer.compat import BATCH, Base, EvenRows, classification_data, loader, main, params  # noqa: E402
-from tests.trainer.compat import trainer_for  # noqa: E402
-from tests.user_code.writes import strategy_of  # noqa: E402
+from tests.helpers.trainer_cases import BATCH, Base, classification_data, loader, main, params, strategy_of, trainer_for  # noqa: E402
+from tests.trainer.compat import EvenRows  # noqa: E402
 
 
 class AdamW(Base):

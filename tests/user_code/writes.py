@@ -40,14 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 
-from lightning_mics import MiCSStrategy, consolidate  # noqa: E402
-from tests.trainer.compat import BATCH, Base, classification_data, loader, main, params, strategy_for  # noqa: E402
-from tests.trainer.compat import trainer_for  # noqa: E402
-
-
-def whole(p):
-    """A parameter as one full tensor on every rank: a released unit's DTensor through ``full_tensor``."""
-    return p.full_tensor() if isinstance(p, DTensor) else p
+from lightning_mics import consolidate  # noqa: E402
+from tests.helpers.trainer_cases import (BATCH, Base, classification_data, loader, main, params,  # noqa: E402
+                                         strategy_of, trainer_for, whole)
 
 
 class Clamp(Base):
@@ -153,16 +148,6 @@ class Bits(Base):
             before = unit.shard_flat.clone()
             unit.take_writes()
             self.changed += int((unit.shard_flat.view(torch.int32) != before.view(torch.int32)).sum())
-
-
-def strategy_of(kind):
-    """A fresh strategy of ``kind`` (one per fit)."""
-    if kind == "zero1":
-        return MiCSStrategy(sharded_data_parallel_degree=1, shard_optimizer_state=True, param_persistence_threshold=0)
-    if kind in ("mics_os_q8", "mics_os_q8_exact"):  # exact: one scale per element, int8 without rounding
-        return strategy_for("mics_os", quantize_gradients="error_feedback",
-                            quantization_block_size=1 if kind == "mics_os_q8_exact" else 2048)
-    return strategy_for(kind)
 
 
 def run_case(case, kind, world, rank, out):
