@@ -1,4 +1,5 @@
-"""A user's script with one bad strategy option (tests/options/test_bad_inputs.py): a real Trainer and fit on 2 CPU ranks.
+"""A user's script with one bad strategy option (tests/options/test_bad_inputs.py): a real Trainer and fit on 2 CPU
+ranks.
 
     python bad_input.py --out DIR --strategy '{"prefetch": -1}' [--precision 16-mixed] [--devices N] [--fused-sgd]
                         [--pruning] [--swa] [--ema] [--wrapped-blocks]

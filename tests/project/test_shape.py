@@ -1,7 +1,7 @@
 """The package's shape : no module of ``lightning_mics/`` or ``triton_kernels/`` over 450 lines, no class
 over 400, no function over 80, and no import cycle among the package's modules (imports under TYPE_CHECKING
-and imports inside functions count), and the package's folders by layer import only downward (``LAYERS``).
-Read from the source with ``ast``: nothing is imported."""
+and imports inside functions count), and the package's folders by layer import only downward (``LAYERS``); the tests
+sit in folders by area, each rank script beside a test that names it. Read from the source: nothing is imported."""
 
 from __future__ import annotations
 
@@ -174,3 +174,26 @@ def test_every_module_has_a_layer_and_imports_only_downward():
     assert top <= {"lightning_mics.options", "lightning_mics.fabric", "lightning_mics.comm", "lightning_mics.layout",
                    "lightning_mics.engine", "lightning_mics.checkpoint", "lightning_mics.frontends",
                    "lightning_mics.plan", "lightning_mics.app"}, top  # the package's top level holds only these
+
+
+# -- the tests' own shape: by area, each rank script beside a test that runs it ------------------------------------
+TESTS = REPO / "tests"
+SHARED = {"helpers", "stress"}  # what several areas use; the long runs CI deselects
+
+
+def test_tests_are_by_area_with_each_rank_script_beside_its_test():
+    assert sorted(p.name for p in TESTS.glob("*.py")) == ["__init__.py", "conftest.py"], "tests go in an area folder"
+    areas = sorted(p for p in TESTS.iterdir() if p.is_dir() and p.name not in SHARED | {"__pycache__"})
+    assert len(areas) >= 10, areas
+    lonely = []
+    for area in areas:
+        assert (area / "__init__.py").exists(), f"{area.name}/ is not a package"
+        tests = " ".join(p.read_text() for p in area.glob("test_*.py"))
+        assert tests, f"{area.name}/ holds no test"
+        for script in area.glob("*.py"):
+            name = script.stem
+            if name.startswith("test_") or name == "__init__":
+                continue
+            if f"{name}.py" not in tests and f"tests.{area.name}.{name}" not in tests:
+                lonely.append(f"{area.name}/{script.name}")
+    assert not lonely, f"rank scripts no test beside them names (move them beside their test, or to helpers/): {lonely}"
