@@ -109,10 +109,35 @@ def _params(ckpt: Path) -> dict:
     return torch.load(ckpt.parent / "whole.pt", weights_only=False)["state_dict"]
 
 
+def test_model_compile_compiles_each_block_in_place() -> None:
+    """``model.compile=true`` (conf/model/gpt.yaml, composed as the job composes it): every transformer block is
+    compiled in place, so the parameter names, and so the checkpoints, are the eager model's."""
+    from hydra import compose, initialize_config_module
+    from hydra.utils import instantiate
+
+    from lightning_mics.app.train import CONF_MODULE
+
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
+        compiled, eager = (compose(config_name="config", overrides=[f"model.compile={c}", "model.n_layer=2"]).model
+                           for c in ("true", "false"))
+    compiled, eager = instantiate(compiled), instantiate(eager)
+    assert all(block._compiled_call_impl is not None for block in compiled.model.h)
+    assert all(block._compiled_call_impl is None for block in eager.model.h)
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+
+
+@pytest.mark.slow
 def test_main_job_compiled_blocks(tmp_path: Path) -> None:
     """``model.compile=true`` with activation checkpointing: each block compiled in place (inductor writes its
     kernels into the cache folder given), the checkpoint's parameter names are the eager run's, and it trains as
-    the eager run does up to compile's rounding (measured: 4e-6 at most after 24 steps)."""
+    the eager run does up to compile's rounding (measured: 4e-6 at most after 24 steps).
+
+    Deselected by default (``-m slow`` runs it): a cold inductor compile in a folder of its own took 51-194 s of the
+    suite. The default run covers what it checks: test_model_compile_compiles_each_block_in_place (the job's key
+    compiles each block in place, the names stay the eager model's) and tests/engine/test_compile.py's
+    ``test_compiled_model_with_activation_checkpointing[trainer-inplace-group2]`` (blocks compiled in place,
+    grouped checkpointing, under the Trainer and MiCS: inductor's graphs built, nothing recompiled, the parameters
+    equal compiled DDP's, names included)."""
     runs = {}
     for name, extra in (("eager", []), ("compiled", ["model.compile=true"])):
         env = {**app_env(), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}")}
