@@ -44,6 +44,7 @@ SLOW_FIRST = [
 _WIDE = ("module", "package", "session", "class")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the group marks into work units
 def pytest_collection_modifyitems(config, items):
     first = {f: i for i, f in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))  # stable: a file's own order
