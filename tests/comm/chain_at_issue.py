@@ -11,4 +11,4 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_mics.comm import collectives  # noqa: E402
 
 collectives.CHAIN_AT_ISSUE = True
-runpy.run_path(str(Path(__file__).with_name("equiv.py")), run_name="__main__")
+runpy.run_path(str(Path(__file__).resolve().parents[1] / "engine" / "equiv.py"), run_name="__main__")
