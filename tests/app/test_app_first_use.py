@@ -171,7 +171,7 @@ def test_help_says_what_every_key_means(tmp_path: Path) -> None:
     from lightning_mics.app.help import GROUPS, options
     from lightning_mics.app.train import CONF_MODULE
 
-    proc = run_app(["--help"], cwd=tmp_path, timeout=60)
+    proc = run_app(["--help"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     described = _described(proc.stdout)
     missing, wrong = [], []

@@ -166,7 +166,7 @@ def test_bad_override_fails_at_compose(tmp_path: Path, override: str, message: s
     """(Forked from the preloaded server, as in test_app_checks.py: the answer is what is checked.) A misspelled
     key is answered with the key meant, instead of Hydra's advice to add it with + ([Note: did you mean])."""
     proc = run_app_forked([override, "trainer.devices=2", f"hydra.run.dir={tmp_path / 'run'}"],
-                          cwd=tmp_path, timeout=60)
+                          cwd=tmp_path, timeout=300)
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-3000:]
     assert "To append to your config use +model.n_layr" not in proc.stderr
@@ -176,7 +176,7 @@ def test_bad_override_fails_at_compose(tmp_path: Path, override: str, message: s
 def test_sharding_degree_must_divide_world(tmp_path: Path) -> None:
     """MiCSStrategy raises ValueError naming the option before any process is launched (forked, as above)."""
     proc = run_app_forked(["strategy.sharded_data_parallel_degree=3", "trainer.devices=4",
-                 f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=60)
+                 f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=300)
     assert proc.returncode != 0
     assert "ValueError" in proc.stderr and "sharded_data_parallel_degree" in proc.stderr, proc.stderr[-3000:]
     assert "Initializing distributed" not in proc.stdout + proc.stderr
@@ -188,7 +188,7 @@ def test_sharding_degree_must_divide_world(tmp_path: Path) -> None:
 def test_help_lists_only_real_choices(tmp_path: Path) -> None:
     """The schemas live outside the config groups, so ``--help`` offers only configs a user can pick (what it says
     of each key: test_app_first_use.py)."""
-    proc = _run(["--help"], cwd=tmp_path, timeout=60)
+    proc = _run(["--help"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     groups = proc.stdout.split("== Configuration groups ==")[1].split("== Keys ==")[0]
     assert "strategy: ddp, mics" in groups and "trainer: cpu, gpu" in groups and "model: gpt" in groups, groups
@@ -200,7 +200,7 @@ def test_console_script_prints_config(tmp_path: Path) -> None:
     script = shutil.which("lightning-mics-train")
     assert script, "lightning-mics-train is not on PATH: install the package (pip install -e .)"
     proc = subprocess.run([script, "--cfg", "job", "strategy.sharded_data_parallel_degree=2",
-                           "trainer.devices=4"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+                           "trainer.devices=4"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sharded_data_parallel_degree: 2" in proc.stdout and "_target_: lightning_mics.MiCSStrategy" in proc.stdout
 
