@@ -47,7 +47,7 @@ nothing, ``offload_dropout``, ``sync_debug`` and ``table_builds``; the timed one
 - ``sanitizer``: ``TORCH_CUDA_SANITIZER=1`` (CSAN: a CUDA kernel reading or writing a tensor that another stream
   used without synchronization raises), ``kernels="torch"`` (CSAN cannot see inside Triton's launches),
   deterministic algorithms. Three launches at once on the one GPU:
-  (1) ``trainer``: 4 ranks, the Trainer layouts of tests/test_late_collectives.py (FP32: prefetch 2, two-hop,
+  (1) ``trainer``: 4 ranks, the Trainer layouts of tests/comm/test_late_collectives.py (FP32: prefetch 2, two-hop,
   keep-gathered, live cap, int8 with error feedback, int8 gather hop, rows over replicas with accumulation, ZeRO-1,
   grouped checkpointing with offload, stop_on_nonfinite), each trained with prompt collectives and with every
   collective 30 ms late (tests/helpers/late_collectives.py); (2) ``fabric``: 4 ranks, its six Fabric loops the same
@@ -60,10 +60,10 @@ nothing, ``offload_dropout``, ``sync_debug`` and ``table_builds``; the timed one
   host at issue (a synchronizing copy on the issuing stream) and the results back at ``wait()`` on the waiting
   stream. Target: clean (no CSAN report, no error; in (3) a finite state) and, in (1) and (2), the late run's full
   state equal to the prompt one's bit for bit; and the arrangement's self-test: the first Trainer case once more
-  with a unit's all-gather output read before its ``wait()`` (tests/scripts/late_early_read.py's defect) must end
+  with a unit's all-gather output read before its ``wait()`` (tests/comm/late_early_read.py's defect) must end
   elsewhere (``self_test.caught``). ``covers`` names the cases that ran clean and equal, ``not_covered`` what this
   arrangement cannot show. On CPU: ``ok`` null; ``--sanitizer-dry-run`` runs the same machinery on CPU (no CSAN,
-  host copies forced; with --small 2 ranks and a few cases: what tests/test_gpu_ready.py checks).
+  host copies forced; with --small 2 ranks and a few cases: what tests/benchmarks/test_gpu_ready.py checks).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ TIMEOUT = {"offload_dropout": 60, "sync_debug": 90, "table_builds": 120, "triton
 TIMED = {"triton_small_bucket": 50, "single_gpu_overhead": 170}  # run alone, after the rest; their usual seconds
 TARGET = {"single_gpu_overhead": 0.97, "triton_small_bucket": 1.0}
 BLOCK = "lightning_mics.app.models.gpt.Block"
-LATE = 0.03  # seconds: as tests/test_late_collectives.py
+LATE = 0.03  # seconds: as tests/comm/test_late_collectives.py
 SANITIZER_PARTS = ("trainer", "fabric", "one")
 NOT_COVERED = [
     "NCCL's own stream ordering between ranks: one GPU gives NCCL one rank, so the multi-rank cases run their "
@@ -751,14 +751,14 @@ def check_single_gpu_overhead(args) -> dict:
 
 # -- sanitizer ------------------------------------------------------------------------------------------------------
 def sanitizer_cases(args, part: str) -> List[Any]:
-    from tests.test_late_collectives import FABRIC_CASES as LATE_FABRIC, FP32
+    from tests.comm.test_late_collectives import FABRIC_CASES as LATE_FABRIC, FP32
 
     reduced = args.dry_run and args.small
     if part == "trainer":
         return [dict(v) for v in FP32] if not reduced else [{"s": 2, "prefetch": 2}]
     if part == "fabric":
         return list(LATE_FABRIC) if not reduced else ['late:2:2:adamw:norm:32-true:{"prefetch":2}']
-    ac_fabric = {"activation_checkpointing": ["tests.scripts.fabric_loop.Block"], "checkpoint_group_size": 2,
+    ac_fabric = {"activation_checkpointing": ["tests.helpers.models.MLPBlock"], "checkpoint_group_size": 2,
                  "activation_offload": True}
     ac_trainer = {"activation_checkpointing": [BLOCK], "checkpoint_group_size": 2, "activation_offload": True}
     cases = [("fabric", "32-true", "s1", {}), ("fabric", "32-true", "zero1", {"shard_optimizer_state": True}),
@@ -771,13 +771,13 @@ def sanitizer_cases(args, part: str) -> List[Any]:
 
 
 def _trainer_state(args, variant: dict, precision: str, backend: Optional[str]):
-    """tests/scripts/equiv.py's model, batches and optimizer (3 GPT blocks, AdamW, accumulation 2, clipping 1.0,
+    """tests/engine/equiv.py's model, batches and optimizer (3 GPT blocks, AdamW, accumulation 2, clipping 1.0,
     3 steps) under a Trainer on this accelerator, one "node" per rank: the full state dict (rank 0)."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    import tests.scripts.equiv as E
+    import tests.engine.equiv as E
     from lightning_mics import MiCSStrategy
 
     E.LAYERS = 3
@@ -803,11 +803,11 @@ def _trainer_state(args, variant: dict, precision: str, backend: Optional[str]):
 
 def _fabric_state(args, s: int, accum: int, kind: str, clip: str, precision: str, options: dict,
                   backend: Optional[str]):
-    """tests/scripts/fabric_loop.py's loop (``case_late``'s: 3 blocks, ``setup(..., "split")``, 4 steps, a probe
+    """tests/fabric/fabric_loop.py's loop (``case_late``'s: 3 blocks, ``setup(..., "split")``, 4 steps, a probe
     forward after) with its batches on this accelerator: the full state dict (rank 0)."""
     import torch
 
-    import tests.scripts.fabric_loop as FL
+    import tests.fabric.fabric_loop as FL
 
     options = dict(options)
     fabric = new_fabric(args, precision, backend=backend, sharded_data_parallel_degree=s,

@@ -2,7 +2,7 @@
 
     sudo python benchmarks/netem.py [--delay-ms 2 --rate-mbit 200 --steps 6]
 
-Two network namespaces joined by a veth pair act as two hosts of 2 ranks each (as in tests/test_two_hosts.py;
+Two network namespaces joined by a veth pair act as two hosts of 2 ranks each (as in tests/layout/test_two_hosts.py;
 private /30 addresses that exist only between the two namespaces, deleted at the end whatever happens).
 ``torchrun --nnodes 2 --nproc-per-node 2`` starts the ranks; gloo binds to the veth, so every byte between the
 hosts crosses it. The link is measured as it is, then shaped on both ends with ``tc netem`` (delay and rate), or

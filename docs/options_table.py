@@ -3,7 +3,7 @@
     python docs/options_table.py           # print the table
     python docs/options_table.py --write   # rewrite it in README.md, between its two markers
 
-tests/test_docs.py fails when README.md's table differs from this one.
+tests/project/test_docs.py fails when README.md's table differs from this one.
 """
 
 from __future__ import annotations

@@ -253,7 +253,7 @@ class MiCSConfig:
 
 
 # One line per option, for the README's options table (``python docs/options_table.py --write`` regenerates it;
-# tests/test_docs.py keeps it in step). Data only: the checks live in ``MiCSConfig.__post_init__``.
+# tests/project/test_docs.py keeps it in step). Data only: the checks live in ``MiCSConfig.__post_init__``.
 DESCRIPTIONS: Dict[str, str] = {
     "sharded_data_parallel_degree": "s: ranks in one sharding group; divides the data-parallel size, "
                                     "r = W / (s t) replicas. None: ranks per node (1 with shard_optimizer_state)",

@@ -8,7 +8,7 @@ A :class:`ModelSpec` comes from one of:
   downloaded) of the ``gpt2``, ``gpt_neox`` or ``llama``/``mistral`` families, laid out as those models' modules are;
 - a name from :data:`REFERENCE_MODELS` (the seed documents' reference models, GPT-2, and the example app's GPT);
 - the example app's ``GPTConfig`` (any object with ``n_embd``, ``n_layer``, ``n_head``, ``vocab_size``,
-  ``block_size``), laid out exactly as ``lightning_mics.app.models.gpt.GPT`` (checked in tests/test_plan.py);
+  ``block_size``), laid out exactly as ``lightning_mics.app.models.gpt.GPT`` (checked in tests/plan/test_plan.py);
 - a parameter count (``20e9``, ``"1.3B"``): ``n_layer`` equal units of one flat parameter each, no embeddings, no
   activation estimate (the shape is unknown).
 

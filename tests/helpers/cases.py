@@ -1,4 +1,4 @@
-"""A test module's launches of one script that runs case after case (``tests/scripts/compat.py``'s ``main``): each
+"""A test module's launches of one script that runs case after case (``tests/helpers/trainer_cases.py``'s ``main``): each
 (strategy, world) is launched once, on first use, and its cases' results read back."""
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import atexit
 import json
 import multiprocessing
 import os
+import random
 import runpy
 import socket
 import subprocess
@@ -31,8 +32,29 @@ REPO = Path(__file__).resolve().parents[2]
 _forkserver: Optional[Any] = None
 
 
+_PORTS = 4000  # ports per pytest process (each xdist worker its own range)
+_next_port: List[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port nothing listens on, for a job's MASTER_PORT: taken in turn from a range below Linux's ephemeral ports
+    (32768 and up), one range per xdist worker, so that neither the other worker's jobs nor any connection's
+    ephemeral local port takes it between this check and the job's bind."""
+    if not _next_port:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+        base = 12000 + (int(worker) % 5 if worker.isdigit() else 0) * _PORTS
+        _next_port.append(base + random.randrange(_PORTS))  # another session's same range starts elsewhere
+    base = _next_port[0] - _next_port[0] % _PORTS
+    for _ in range(_PORTS):
+        port = _next_port[0]
+        _next_port[0] = base + (port + 1 - base) % _PORTS
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    with socket.socket() as s:  # the whole range busy: any port the kernel offers
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

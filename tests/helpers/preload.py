@@ -8,6 +8,7 @@ import importlib
 
 MODULES = ["torch", "torch.distributed", "lightning", "lightning_mics", "lightning_mics.fabric",
            "lightning_mics.app.models", "lightning_mics.app.schema", "hydra", "omegaconf", "tests.helpers.comm_mode",
+           "tests.helpers.models", "tests.helpers.trainer_cases",
            "litgpt"]
 
 for _name in MODULES:
