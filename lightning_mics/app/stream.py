@@ -23,14 +23,12 @@ counts batches); with the same ``n`` the ranks may be more or fewer (2 ranks x 1
 
 from __future__ import annotations
 
-import logging
+import pickle
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 from torch.utils.data import Dataset, DistributedSampler
-
-_log = logging.getLogger("lightning_mics.app")
 
 
 class StreamSampler(DistributedSampler):
@@ -83,12 +81,16 @@ def refusal(saved: Optional[Mapping[str, Any]], ranks: int, batch_size: int, whe
 
 def saved_data_state(path: str, key: str) -> Optional[Mapping[str, Any]]:
     """The data module's state (``key``: its class name) in the checkpoint at ``path``, a sharded directory (its
-    ``meta.pt``) or one file (mapped, not read whole); None if it holds none."""
+    ``meta.pt``) or one file (mapped, not read whole), read as untrusted input (``weights_only``); None if it holds
+    none or cannot be read so (the data module checks it again when Lightning reads the checkpoint)."""
     p = Path(path)
     source = p / "meta.pt" if p.is_dir() else p
     if not source.is_file():
         return None
-    meta = torch.load(source, map_location="cpu", weights_only=False, mmap=not p.is_dir())
+    try:
+        meta = torch.load(source, map_location="cpu", weights_only=True, mmap=not p.is_dir())
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError):  # Lightning's own load reports it
+        return None
     state = meta.get(key) if isinstance(meta, dict) else None
     return state if isinstance(state, Mapping) else None
 
