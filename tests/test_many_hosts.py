@@ -10,8 +10,9 @@ job's id) with OMP_NUM_THREADS unset, as a user types it:
   ([Note: threads per rank] in frontends/threads.py); the default sharding degree (ranks per node: 1) shards
   nothing and the job says so, with what to give; and the result equals the same job on one host under Lightning's
   launcher with the same layout and threads, bit for bit (parameters and optimizer state).
-- a Trainer script (examples/multi_host/trainer_script.py, a sharding group spanning both hosts): its folder from the job's id with both ranks' shards, and its final parameters bit-equal to the same
-  script on one host.
+- a Trainer script (examples/multi_host/trainer_script.py, a sharding group spanning both hosts): its folder from
+  the job's id with both ranks' shards, and its final parameters bit-equal to the same script on one host;
+- a job across hosts whose launcher gives no id: refused on every host before any rank connects.
 
 The namespaces are created and always deleted by the test; where they cannot be created it skips and says why.
 """
@@ -193,8 +194,8 @@ def test_a_job_across_hosts_without_an_id_is_refused(two_hosts, tmp_path: Path) 
     port = str(free_port())
     codes, outs = _on_hosts(two_hosts, lambda node: [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
-        str(node), "--master-addr", HOSTS[0], "--master-port", port, "-m", "lightning_mics.app.train", "trainer.max_steps=2"],
-        lambda node: {}, tmp_path, timeout=120)
+        str(node), "--master-addr", HOSTS[0], "--master-port", port, "-m", "lightning_mics.app.train",
+        "trainer.max_steps=2"], lambda node: {}, tmp_path, timeout=120)
     assert all(c not in (0, "timeout") for c in codes), (codes, outs)
     said = "torchrun started 2 ranks on 2 hosts without a job id (torchrun without --rdzv-id), so the hosts " \
            "cannot name one run folder for the job. Give torchrun --rdzv-id=<the job's id, the same on every host>, " \

@@ -1,17 +1,15 @@
-"""Torch threads per rank for ranks another launcher started (torchrun, srun, mpirun), as Lightning's launcher
-sets them for the ranks it starts.
+"""Torch threads per rank, as Lightning's launcher sets them in its own process, for every rank: the ranks it starts
+and those another launcher starts (torchrun, srun).
 
 [Note: threads per rank]
-Lightning's launcher gives each rank it starts ``max(1, cores // ranks it starts on the machine)`` torch threads
-(and ``OMP_NUM_THREADS``, for the processes a rank starts in turn), unless ``OMP_NUM_THREADS`` is set. Ranks started
-by another launcher get nothing from it: each takes every core it may run on, and ranks that share cores
-oversubscribe them. So on CPU, once the process group exists, every rank sends (its machine, the cores it may run on)
-to the others, and a rank without ``OMP_NUM_THREADS`` takes ``max(1, its cores // the ranks of the job on its
-machine whose cores overlap its own)``: Lightning's figure where one launcher per machine starts the ranks, and the
-right one where several share a machine (two torchrun agents on one node, hosts simulated in network namespaces).
-The machine is its boot id (the same in every container and namespace of it). ``OMP_NUM_THREADS`` already set (by
-the user, or by torchrun, which sets 1 when it starts several ranks per host) is kept. On a GPU nothing is sent:
-Lightning's figure over the ranks of this node.
+Lightning's launcher sets ``max(1, cores // its ranks on the machine)`` torch threads (and ``OMP_NUM_THREADS``) in
+its own process only, after starting the node's other ranks; those, and every rank torchrun or srun starts, take
+every core, so ranks that share cores oversubscribe them. So on CPU, once the process group exists, the ranks
+exchange (machine, usable cores), and a rank without ``OMP_NUM_THREADS`` takes ``max(1, its cores // the job's ranks
+on its machine whose cores overlap its own)``: Lightning's figure for one launcher per machine, and right where
+several share one (two torchrun agents on a node, hosts in network namespaces). The machine is its boot id. A set
+``OMP_NUM_THREADS`` (the user's, Lightning's launcher's, torchrun's 1 for several ranks per host) is kept. On a GPU
+nothing is exchanged: Lightning's figure over this node's ranks.
 """
 
 from __future__ import annotations
