@@ -10,7 +10,8 @@ one job share a machine's cores wherever several of them run on it. Each host ru
 - ``every_core``: OMP_NUM_THREADS = the machine's cores: what each rank took before (torch's default);
 - ``lightning``: the same job on one host, Lightning's own launcher (trainer.devices=2), the reference.
 
-Prints each run's tokens/s (the report's: all ranks, time in training batches) and the medians.
+The cases take turns in each place of a round. Prints each run's tokens/s (the report's: all ranks, time in
+training batches) with the load average, and the medians.
 
     python benchmarks/threads_per_rank.py --steps 30 --rounds 2
 """
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--port", type=int, default=29655)
+    parser.add_argument("--keep", default=None, help="a folder to keep the runs' logs and reports in")
     opts = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     args = [f"trainer.max_steps={opts.steps}", "trainer.val_check_interval=1000000",
@@ -89,13 +91,18 @@ def main() -> None:
             made.append(ns)
         join(names)
         with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp)
+            folder = Path(opts.keep or tmp)
+            folder.mkdir(parents=True, exist_ok=True)
+            runs = {"threads": lambda k: two_hosts_run(names, args, folder, f"threads{k}", "", opts.port + 2 * k),
+                    "every_core": lambda k: two_hosts_run(names, args, folder, f"every{k}", str(cores),
+                                                          opts.port + 2 * k + 1),
+                    "lightning": lambda k: one_host_run(args, folder, f"lightning{k}")}
+            order = list(runs)
             for k in range(opts.rounds):
-                results["threads"].append(two_hosts_run(names, args, folder, f"threads{k}", "", opts.port + 2 * k))
-                results["every_core"].append(two_hosts_run(names, args, folder, f"every{k}", str(cores),
-                                                           opts.port + 2 * k + 1))
-                results["lightning"].append(one_host_run(args, folder, f"lightning{k}"))
-                print(json.dumps({key: v[-1] for key, v in results.items()}), flush=True)
+                for case in order[k % 3:] + order[: k % 3]:  # each case in each place of the round in turn
+                    results[case].append(runs[case](k))
+                    print(json.dumps({"round": k, "case": case, "tokens_per_s": results[case][-1],
+                                      "load_average": os.getloadavg()[0]}), flush=True)
     finally:
         for ns in made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
