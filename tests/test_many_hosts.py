@@ -190,15 +190,17 @@ def test_trainer_script_on_two_hosts_is_the_script_on_one(two_hosts, tmp_path: P
 
 def test_a_job_across_hosts_without_an_id_is_refused(two_hosts, tmp_path: Path) -> None:
     """A static rendezvous without --rdzv-id: torchrun gives its ranks no job id, so the hosts could not name one
-    folder; every rank refuses before it connects, with the fix, and nothing is written."""
+    folder; every rank refuses before it connects, with the fix, and nothing is written. The first host's rank says
+    it; the other host's says it too unless its agent ends it first (it stops its ranks once the first host's agent,
+    which holds the rendezvous, is gone), so only the first host's words are awaited."""
     port = str(free_port())
     codes, outs = _on_hosts(two_hosts, lambda node: [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank",
         str(node), "--master-addr", HOSTS[0], "--master-port", port, "-m", "lightning_mics.app.train",
-        "trainer.max_steps=2"], lambda node: {}, tmp_path, timeout=120)
+        "trainer.max_steps=2"], lambda node: {}, tmp_path, timeout=240)
     assert all(c not in (0, "timeout") for c in codes), (codes, outs)
     said = "torchrun started 2 ranks on 2 hosts without a job id (torchrun without --rdzv-id), so the hosts " \
            "cannot name one run folder for the job. Give torchrun --rdzv-id=<the job's id, the same on every host>, " \
            "or give the job run_id=<name>."
-    assert all(said in out for out in outs), [out[-2000:] for out in outs]
+    assert said in outs[0], outs[0][-3000:]
     assert not (tmp_path / "outputs").exists()
