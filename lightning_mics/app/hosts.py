@@ -111,12 +111,6 @@ def job_name(run_id: Optional[str] = None, env: Mapping[str, str] = os.environ) 
     return launch.job
 
 
-def is_rank_zero(env: Mapping[str, str] = os.environ) -> bool:
-    """Global rank 0 of this job, as the launcher numbers ranks; True where no launcher started the ranks."""
-    launch = detect(env)
-    return launch is None or launch.rank == 0
-
-
 def trainer_layout(trainer_cfg: Any, launch: Launch, given: Set[str]) -> str:
     """Sets ``trainer.devices`` and ``trainer.num_nodes`` to the launcher's ranks per host and hosts, each unless
     given on the command line (a given one that disagrees is refused by Lightning before any rank connects);
