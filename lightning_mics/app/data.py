@@ -14,24 +14,27 @@ The corpus is listed and checked when the module is built (in the main job: befo
 path, an empty file or folder, a binary file or a folder of binary files only, or too little text for the split
 each raise :class:`CorpusError` naming ``data.path``, what was found there and the fix. ``setup`` logs, on rank 0,
 one ``[data]`` line: the bytes and files read, from where, whether ``data.max_bytes`` cut the corpus, and the
-split. A resumed fit continues mid-epoch at the batch it stopped on ([Note: resuming the data]).
+split. Training batches come from ``stream.py``, the same global batches on any number of ranks
+([Note: the training stream] in stream.py); a resumed fit, on the same ranks or others, continues at the sample
+it stopped on ([Note: resuming the data] in stream.py).
 """
 
 from __future__ import annotations
 
 import fnmatch
-import itertools
 import logging
 import os
 import sysconfig
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_mics.app import stream
 
 _log = logging.getLogger("lightning_mics.app")
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", ".git"}
@@ -209,30 +212,6 @@ class ByteBlocks(Dataset):
         return block[:-1], block[1:]
 
 
-# [Note: resuming the data]
-# Lightning resumes a fit mid-epoch from its loops' counters, but a plain DataLoader starts its epoch again from the
-# first batch, so a resumed run would train again on batches it has seen and differ from an uninterrupted one.
-# Lightning's hook for this (a train dataloader with state_dict/load_state_dict) is not restored when
-# configure_optimizers reads trainer.estimated_stepping_batches (Lightning issue #20550), and such a state counts
-# the batches a loader has produced, not those trained on. So the training sampler follows Lightning's own count
-# instead: when an epoch's iteration starts (lazily, at its first batch, after a checkpoint was read), it leaves out
-# the indices of the batches the epoch loop has already run in this epoch (``batch_progress.current.ready``: 0 in
-# a fresh epoch, k when the loop continues after batch k), so the data and the loop cannot disagree. The order is
-# that of the DistributedSampler Lightning itself builds (shuffled, seeded with PL_GLOBAL_SEED, reshuffled per
-# epoch by set_epoch), so a run that never resumes sees the same batches as before.
-class ResumableSampler(DistributedSampler):
-    """Lightning's training sampler that starts an epoch at the batch ``batches_done()`` says the loop is at
-    (see [Note: resuming the data])."""
-
-    def __init__(self, dataset: Dataset, batch_size: int, batches_done: Callable[[], int], **kwargs: Any) -> None:
-        super().__init__(dataset, **kwargs)
-        self.batch_size = batch_size
-        self.batches_done = batches_done
-
-    def __iter__(self) -> Iterator[int]:  # a generator: the body runs at the epoch's first batch, not at iter()
-        yield from itertools.islice(super().__iter__(), self.batches_done() * self.batch_size, None)
-
-
 class ByteCorpusDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -254,6 +233,8 @@ class ByteCorpusDataModule(L.LightningDataModule):
         self.summary: Optional[str] = None  # what was read and how it was split, after setup
         self.train_set: Optional[ByteBlocks] = None
         self.val_set: Optional[ByteBlocks] = None
+        self._sampler: Optional[stream.StreamSampler] = None
+        self._resumed: Optional[Dict[str, Any]] = None  # the checkpoint's data state, until the resumed epoch starts
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is not None:
@@ -281,24 +262,50 @@ class ByteCorpusDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
-        trainer = self.trainer
-        ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
-        ranks = ranks or {"num_replicas": 1, "rank": 0}
-        sampler = ResumableSampler(self.train_set, self.hparams.batch_size, self._batches_done, shuffle=True,
-                                   seed=int(os.getenv("PL_GLOBAL_SEED", 0)), **ranks)
-        if len(sampler) < self.hparams.batch_size:
+        ranks, rank = self._ranks()
+        sampler = stream.StreamSampler(self.train_set, self.hparams.batch_size, self._batches_done,
+                                       seed=int(os.getenv("PL_GLOBAL_SEED", 0)), num_replicas=ranks, rank=rank,
+                                       on_start=self._on_epoch_start)
+        if sampler.batches == 0:
             raise CorpusError(f"data.path={self.hparams.path!r} gives {len(self.train_set)} training blocks, "
-                              f"{len(sampler)} per rank on {ranks['num_replicas']} ranks: fewer than one batch of "
+                              f"{len(self.train_set) // ranks} per rank on {ranks} ranks: fewer than one batch of "
                               f"data.batch_size={self.hparams.batch_size}. Lower data.batch_size or give more text.")
         # Lightning warns that a mid-epoch resume repeats batches unless the loader is "stateful"; this one resumes
-        # where the loop does without a state of its own ([Note: resuming the data]), so the warning is wrong here.
+        # where the loop does without a state of its own ([Note: resuming the data] in stream.py): wrong here.
         warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+        self._sampler = sampler
         return DataLoader(self.train_set, sampler=sampler, **self._loader_kwargs())
+
+    def _ranks(self) -> Tuple[int, int]:
+        """(data-parallel ranks, this rank's index among them): the strategy's sampler arguments."""
+        trainer = self.trainer
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer else None
+        kwargs = kwargs or {"num_replicas": 1, "rank": 0}
+        return kwargs["num_replicas"], kwargs["rank"]
 
     def _batches_done(self) -> int:
         """Training batches the epoch loop has run in the current epoch (what a resumed loop continues after)."""
         trainer = self.trainer
         return trainer.fit_loop.epoch_loop.batch_progress.current.ready if trainer is not None else 0
+
+    def _on_epoch_start(self, epoch: int, done: int) -> None:
+        if self._resumed is not None and (self.trainer is None or self.trainer.is_global_zero):
+            ranks, _ = self._ranks()
+            sampler = self._sampler
+            _log.info(stream.resumed_line(epoch, done, self._resumed, ranks, self.hparams.batch_size,
+                                          sampler.batches if sampler is not None else 0))
+        self._resumed = None  # said once, at the first epoch after the restore
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Kept in checkpoints: the ranks and batch size of this run ([Note: resuming the data] in stream.py)."""
+        return stream.position_state(self._ranks()[0], self.hparams.batch_size)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        ranks, _ = self._ranks()
+        why = stream.refusal(state, ranks, self.hparams.batch_size, "the checkpoint")
+        if why:
+            raise ValueError(why)
+        self._resumed = dict(state)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None

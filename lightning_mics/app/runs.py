@@ -9,17 +9,22 @@ default pattern that is taken gets the first free suffix (``<time>-1``, ``<time>
 (``hydra.run.dir=...``, ``hydra.sweep.dir=...``) that already exists is refused. Ranks launched by Lightning
 (``LOCAL_RANK`` set) are handed rank 0's folder on their command line and claim nothing. In a sweep the claimed
 sweep folder is also appended to the sweep's Hydra overrides, because Hydra composes each job's config anew from
-them.
+them. Ranks that torchrun or srun started name the folder from the job's id instead ([Note: one folder per job] in
+``hosts.py``): global rank 0 claims it by creating its ``.job`` file (exclusively: a second job with the same id is
+refused), the other ranks write into it without a claim (their log is ``train_rank<k>.log``, and only rank 0 writes
+Hydra's ``.hydra``).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
-from typing import Any
+from typing import Any, Optional
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, open_dict, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from lightning_mics.app import hosts
 from lightning_mics.app.schema import UsageError
 
 
@@ -42,9 +47,58 @@ def claim_folder(path: str, user_named: bool, key: str) -> str:
             candidate = f"{path}-{n}"
 
 
+def claim_job_folder(path: str, launch: "hosts.Launch") -> None:
+    """Rank 0 of a job that torchrun or srun started: creates ``path`` if needed and its ``.job`` file, which only
+    one job can create; raises :class:`UsageError` when another job (with the same id) has."""
+    os.makedirs(path, exist_ok=True)
+    try:
+        with open(os.path.join(path, ".job"), "x") as f:
+            f.write(f"{launch.launcher}: {launch.world_size} ranks on {launch.hosts} hosts; job id from "
+                    f"{launch.source}\n")
+    except FileExistsError:
+        raise UsageError(f"{os.path.abspath(path)} is the run folder of another job with this id (it holds that "
+                         f"job's .job file): every job writes into a new folder. Give the job a new id (torchrun "
+                         f"--rdzv-id=..., or run_id=...), or remove that folder.") from None
+
+
+def run_dir(root: str, run_id: Optional[str]) -> str:
+    """``hydra.run.dir``'s default: ``<root>/<the job's name>`` when a launcher or ``run_id`` names the job
+    ([Note: one folder per job] in hosts.py), else ``<root>/<date>/<time>`` from the clock."""
+    try:
+        name = hosts.job_name(run_id)
+    except UsageError:  # said before Hydra composes (train.main); here the folder just falls back
+        name = None
+    if name is not None:
+        return f"{root}/{name}"
+    return datetime.datetime.now().strftime(f"{root}/%Y-%m-%d/%H-%M-%S")
+
+
+def _launched_rank() -> Optional[int]:
+    launch = hosts.detect()
+    return None if launch is None else launch.rank
+
+
+def output_subdir(default: str) -> Optional[str]:
+    """Hydra's ``.hydra`` folder: rank 0's only, where torchrun or srun started the ranks."""
+    return None if _launched_rank() not in (None, 0) else default
+
+
+def log_name(name: str) -> str:
+    """The log file's name: ``train_rank<k>`` for rank k > 0 where torchrun or srun started the ranks."""
+    rank = _launched_rank()
+    return name if rank in (None, 0) else f"{name}_rank{rank}"
+
+
+def register() -> None:
+    OmegaConf.register_new_resolver("app_run_dir", run_dir, use_cache=True, replace=True)
+    OmegaConf.register_new_resolver("app_output_subdir", output_subdir, replace=True)
+    OmegaConf.register_new_resolver("app_log_name", log_name, replace=True)
+
+
 def _claim(config: DictConfig, kind: str) -> str:
     key = f"hydra.{kind}.dir"
-    user_named = any(o.split("=", 1)[0].lstrip("+~") == key for o in config.hydra.overrides.hydra)
+    user_named = any(o.split("=", 1)[0].lstrip("+~") == key for o in config.hydra.overrides.hydra) or \
+        config.get("run_id") is not None
     try:
         path = claim_folder(str(config.hydra[kind].dir), user_named, key)
     except UsageError as e:  # Hydra turns a callback's Exception into a warning; SystemExit ends the job here
@@ -58,7 +112,14 @@ class RunFolder(Callback):
     """See [Note: run folders]."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if "LOCAL_RANK" not in os.environ:
+        launch = hosts.detect()
+        if launch is not None:
+            if launch.rank == 0:
+                try:
+                    claim_job_folder(str(config.hydra.run.dir), launch)
+                except UsageError as e:
+                    raise SystemExit(str(e)) from None
+        elif "LOCAL_RANK" not in os.environ:
             _claim(config, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -28,7 +28,7 @@ in ``schema.py``), the corpus (``data.py``), ``ckpt_path``, the run folder. Rank
 it split it (``[data]``), and at every end of training where the last checkpoint is and how to continue from it
 (``[checkpoint]``). Ctrl-C stops every rank after the same optimizer step, saves ``last.ckpt`` and the report, and
 exits with status 130 ([Note: Ctrl-C] in ``callbacks.py``); ``ckpt_path=`` continues from that checkpoint, with the
-same batches an uninterrupted run would have seen ([Note: resuming the data] in ``data.py``) and this run's
+same batches an uninterrupted run would have seen ([Note: resuming the data] in ``stream.py``) and this run's
 learning-rate schedule ([Note: the schedule on resume] in ``models/lit_gpt.py``). An error that ends a job after it
 started goes, with its traceback, into each rank's own log file (``train.log`` on rank 0) as well as to the console.
 
@@ -65,7 +65,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict, read_write
 
 from lightning_mics.app import help as app_help
-from lightning_mics.app import schema
+from lightning_mics.app import hosts, runs, schema
 from lightning_mics.app.data import CorpusError
 from lightning_mics.app.keys import check_keys
 from lightning_mics.app.schema import UsageError
@@ -75,6 +75,7 @@ from lightning_mics.layout.topology import release_all_groups, release_groups_at
 CONF_MODULE = "lightning_mics.app.conf"
 CONF_PATH = f"pkg://{CONF_MODULE}"
 schema.register()
+runs.register()  # the run folder's name, rank 0's .hydra, each rank's log ([Note: run folders] in runs.py)
 app_help.register()  # the resolver of hydra.help.template ([Note: help from the configs] in help.py)
 
 log = logging.getLogger("lightning_mics.app")
@@ -142,6 +143,25 @@ def _checkpoint_to_resume(ckpt_path: Optional[str]) -> Optional[str]:
     return path
 
 
+def _check_data_position(cfg: DictConfig, ckpt_path: str) -> None:
+    """A resume continues the checkpoint's stream of samples only with its global batch: refused before any rank
+    starts otherwise, naming the data.batch_size that fits ([Note: resuming the data] in stream.py)."""
+    from lightning_mics.app import stream
+
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    target = str(cfg.data.get("_target_", ""))
+    if not isinstance(devices, int) or devices < 1 or "batch_size" not in cfg.data or not target:
+        return  # "auto" or a list of devices: the data module checks it when the checkpoint is read
+    ranks = devices * nodes
+    strategy = cfg.get("strategy") or {}
+    if strategy.get("prescaled_batch"):
+        ranks //= strategy.get("tensor_parallel_degree", 1)
+    saved = stream.saved_data_state(ckpt_path, target.rsplit(".", 1)[-1])
+    why = stream.refusal(saved, ranks, cfg.data.batch_size, f"ckpt_path={cfg.ckpt_path!r}")
+    if why:
+        raise UsageError(why)
+
+
 def _route_lightning_logs() -> None:
     """Lightning, imported before Hydra configured logging, gave its loggers stderr handlers of their own and
     stopped them from propagating; hand their records to Hydra's handlers (the console and ``train.log``)."""
@@ -162,6 +182,16 @@ def train(cfg: DictConfig) -> Tuple[Dict[str, Any], bool]:
     schema.check_config(cfg)
     ckpt_path = _checkpoint_to_resume(cfg.get("ckpt_path"))
     out_dir = HydraConfig.get().runtime.output_dir
+    launch = hosts.detect()
+    if launch is not None:  # torchrun or srun started the ranks: the trainer's layout is theirs
+        given = {o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task}
+        with open_dict(cfg.trainer):
+            line = hosts.trainer_layout(cfg.trainer, launch, given)
+        if launch.rank == 0:
+            log.info(f"{line}; run folder {os.path.abspath(out_dir)}, written by every rank (on several hosts: a "
+                     f"filesystem they share)")
+    if ckpt_path is not None:
+        _check_data_position(cfg, ckpt_path)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = _instantiate(cfg.data)
     model = _instantiate(cfg.model)
@@ -261,9 +291,24 @@ def _run(cfg: DictConfig) -> None:
 _hydra_main = hydra.main(config_path=CONF_PATH, config_name="config", version_base="1.3")(_run)
 
 
+def _check_launch(argv: List[str]) -> None:
+    """``run_id`` is a folder name; ranks that torchrun or srun started need a job name every host reads alike
+    ([Note: one folder per job] in hosts.py), and a sweep runs on one host only (each job would need the launcher)."""
+    run_id = next((a.split("=", 1)[1].strip("'\"") for a in reversed(argv) if a.startswith("run_id=")), None)
+    launch = hosts.detect()
+    if launch is not None and any(a in ("-m", "--multirun") for a in argv):
+        raise SystemExit(f"-m: a sweep runs on one host, with Lightning's launcher; under {launch.launcher} start "
+                         f"one job per configuration instead.")
+    try:
+        hosts.job_name(None if run_id in (None, "null") else run_id)
+    except UsageError as e:
+        raise SystemExit(str(e)) from None
+
+
 def main() -> None:
     """``lightning-mics-train`` (and ``python -m lightning_mics.app.train``): Hydra parses the command line."""
     _check_argv(sys.argv[1:])
+    _check_launch(sys.argv[1:])
     check_keys(sys.argv[1:], CONF_MODULE)  # [Note: did you mean] in keys.py
     _hydra_main()
 

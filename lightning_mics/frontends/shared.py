@@ -51,7 +51,7 @@ import gc
 import logging
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,7 @@ from lightning_mics.options import MiCSOptions, optimizer_state_only
 from lightning_mics.engine.engine import MiCSEngine
 from lightning_mics.engine.user_code.optimizer_watch import held_optimizers
 from lightning_mics.frontends.optimizer_support import step_refusal
+from lightning_mics.frontends.threads import set_threads_per_rank
 from lightning_mics.layout.topology import Topology, build_topology, plan_layout
 
 ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[MiCSEngine]]" = weakref.WeakKeyDictionary()
@@ -143,6 +144,7 @@ class ProcessLayout:
         self.set_world_ranks()
         self._process_group_backend = connect(self.cluster_environment, self._process_group_backend,
                                               self.root_device, self.options.timeout)
+        set_threads_per_rank(self.root_device, self.num_processes, self.global_rank, log)  # [Note: threads per rank]
         self._topology = build_mesh(self.options, self.world_size, self._ranks_per_node(), self.root_device.type)
         log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
         return self._topology
@@ -343,13 +345,32 @@ def log_model_state(engine: MiCSEngine, rank: int, log: logging.Logger) -> None:
     log.info(f"[rank {rank}] MiCS model state on this rank: parameters {held / mib:.2f} MiB "
              f"({held / max(whole, 1):.2f}x of {whole / mib:.2f} MiB unsharded); gradients as much again "
              "in the master dtype, and the optimizer's state k times that (AdamW: k = 2)")
-    sharded = any(u.params for u in engine.units)
-    if rank == 0 and engine.topo.layout.shard_size > 1 and engine.replicated and not sharded:
+    unsharded = nothing_sharded(engine)
+    if rank == 0 and unsharded is not None:
+        log.warning(f"MiCSStrategy: no parameter is sharded: {unsharded[0]}, so every rank holds the whole model "
+                    f"(1.00x), as with DDP. {unsharded[1]}")
+
+
+def nothing_sharded(engine: MiCSEngine) -> Optional[Tuple[str, str]]:
+    """(why, what to give) when the layout shards no parameter although the user runs MiCS where it could: a
+    sharding group of one rank over several nodes, or every parameter under ``param_persistence_threshold``."""
+    layout, options = engine.topo.layout, engine.options
+    nodes = layout.world_size // layout.ranks_per_node
+    if layout.shard_size == 1 and layout.tp_size == 1 and nodes > 1:
+        why = "given" if options.sharded_data_parallel_degree == 1 else \
+            f"None: the ranks per node, {layout.ranks_per_node}"
+        divisors = [d for d in range(2, layout.world_size + 1) if layout.world_size % d == 0]
+        fit = nodes if nodes in divisors else divisors[0]
+        return (f"sharded_data_parallel_degree=1 ({why}) on {nodes} nodes of {layout.ranks_per_node} "
+                f"rank{'s' * (layout.ranks_per_node != 1)}",
+                f"Give sharded_data_parallel_degree={fit} (allowed: a divisor of the world size {layout.world_size}, "
+                f"{divisors}) to shard it over that many ranks; a sharding group larger than a node spans nodes.")
+    if layout.shard_size > 1 and engine.replicated and not any(u.params for u in engine.units):
         largest = max(rp.global_shape.numel() for rp in engine.replicated)
-        log.warning(f"MiCSStrategy: no parameter is sharded: all {len(engine.replicated)} have fewer elements than "
-                    f"param_persistence_threshold={engine.options.param_persistence_threshold} (the largest has "
-                    f"{largest}), so every rank holds the whole model (1.00x), as with DDP. Give "
-                    f"param_persistence_threshold <= {largest} to shard the largest.")
+        return (f"all {len(engine.replicated)} have fewer elements than param_persistence_threshold="
+                f"{options.param_persistence_threshold} (the largest has {largest})",
+                f"Give param_persistence_threshold <= {largest} to shard the largest.")
+    return None
 
 
 # -- clipping -------------------------------------------------------------------------------------------------
