@@ -39,6 +39,8 @@ from lightning_mics.frontends import layer_sync
 from lightning_mics.frontends import reliability
 from lightning_mics.frontends import trainer_checkpoint as sc
 from lightning_mics.frontends import weight_averaging
+from lightning_mics.frontends import fault_tolerance as ft
+from lightning_mics.frontends import trainer_quorum
 from lightning_mics.options import MiCSOptions, config_from, with_options_signature
 from lightning_mics.frontends.precision import to_mics_precision
 from lightning_mics.layout.materialize import has_meta
@@ -111,6 +113,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._loaded_from = "checkpoint"
         self._warned_flat = False
         self.comm_stats: Dict[str, float] = {}
+        # [Note: fault-tolerant replica groups] in options.py: the managed group, while a fit runs
+        self.fault_tolerance: Optional[ft.FaultTolerance] = None
 
     config = property(lambda self: self.options, doc="The options (``self.options``), read-only.")
 
@@ -135,6 +139,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         """One sampler shard per rank; with ``prescaled_batch`` one per tensor-parallel group (its t ranks read
         the same batch: the data-parallel rank and size)."""
         world = self.num_nodes * self.num_processes
+        if self.options.fault_tolerance:  # this group's part ([Note: joining at the current step])
+            return ft.FaultTolerance.sampler_part(world, self.global_rank)
         if self.options.prescaled_batch:
             t = self.options.tensor_parallel_degree
             return {"num_replicas": world // t, "rank": self.global_rank // t}
@@ -160,6 +166,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             # torchrun (or srun) a mismatch would otherwise surface at setup as a misleading layout error
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         self._validate_layout()  # before any process is launched: every rank would raise alike anyway
+        if self.options.fault_tolerance:
+            ft.check_environment()
         F.check_precision(self.options, self.precision_plugin.precision)
         if not self.cluster_environment.creates_processes_externally:
             if self._start_method == "popen":
@@ -204,6 +212,9 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self.engine.pin()  # ZeRO-1: plain parameters from on_fit_start on, as under DDP
         if fitting:  # [Note: weight averaging over the shards] in weight_averaging.py
             self._step_hooks.extend(weight_averaging.shard_averages(trainer, self.lightning_module, self.engine.units))
+        if fitting and self.options.fault_tolerance:  # [Note: joining at the current step] in fault_tolerance.py
+            self.fault_tolerance = trainer_quorum.start(trainer, self.engine, [F.unwrap(o) for o in self.optimizers],
+                                                        self.root_device, self.options)
 
     def _engine_options(self) -> MiCSOptions:
         warn = None if self._warned_flat else self._warn_flat
@@ -291,9 +302,19 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         if self.options.stop_on_nonfinite:
             trainer = self.lightning_module.trainer
             closure = reliability.checked(closure, F.unwrap(optimizer), lambda: trainer.global_step, self.root_device)
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.fault_tolerance is not None:  # [Note: a step not taken] in fault_tolerance.py
+            out = self.fault_tolerance.step(closure, lambda c: ParallelStrategy.optimizer_step(
+                self, optimizer, c, model, **kwargs))
+        else:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._publish_comm_stats()
         return out
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """[Note: the cross-group average] in fault_tolerance.py, at the end of an accumulation window."""
+        if self.fault_tolerance is not None and self._engine is not None and self._engine.sync_replicas:
+            self.fault_tolerance.average_gradients(self._engine)
 
     def _publish_comm_stats(self) -> None:
         """Per optimizer step: bytes and calls per collective and group (``comm/<op>/<group>/bytes``)
@@ -392,6 +413,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                 self._engine = None
         self._topology = F.release_unused(self._topology)
         self._failed = False
+        self._stop_fault_tolerance(wait=True)
         if self.lightning_module is not None:
             self.model = self.lightning_module
             if self._layer_sync is not None and F.engine_of(self.lightning_module) is None:
@@ -413,7 +435,13 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             if engine is not None:
                 engine.reset(rows_wait_s=reliability.GRACE_S if alike else 0.0)
 
+        self._stop_fault_tolerance(wait=False)  # the other groups' traffic with this one fails at once
         reliability.on_failure(reset)  # [Note: a lone failure] in reliability.py
+
+    def _stop_fault_tolerance(self, wait: bool) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer_quorum.stop(self.fault_tolerance, trainer, wait)
+        self.fault_tolerance = None
 
     @classmethod
     @override

@@ -1,0 +1,180 @@
+"""One rank of a fault-tolerant replica group (a torchrun job of its own), or the same job without fault tolerance,
+or one plain process: a small GPT trained with AdamW on fixed token batches, each rank reading its part through
+the strategy's ``distributed_sampler_kwargs``.
+
+    --mode ft        MiCSStrategy(fault_tolerance=True) under torchft's environment (Trainer)
+    --mode fabric    the same under Fabric, a hand-written loop that resumes at the committed step
+    --mode mics      MiCSStrategy without fault tolerance (the same global batches over all ranks)
+    --mode plain     one process, the global batch of every step
+
+Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step) and, with ``--record``,
+``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum, committed), where
+``tag`` is ``--tag`` (default: the mode, with the group id under fault tolerance).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
+
+VOCAB, SEQ, BATCH = 61, 12, 2  # per-rank batch
+
+
+def build():
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
+
+
+def optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+
+
+def dataset(n):
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+
+
+def loss_of(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+class Module(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.model = build()
+
+    def training_step(self, batch, idx):
+        return loss_of(self.model, *batch)
+
+    def configure_optimizers(self):
+        return optimizer(self.model)
+
+
+class Record(L.Callback):
+    """Rank 0: a line per optimizer step (after it), and a pause that gives a test time to act mid-run."""
+
+    def __init__(self, path, pause):
+        self.path, self.pause, self.last = path, pause, -1
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.last:
+            return
+        self.last = trainer.global_step
+        if self.path and trainer.global_rank == 0:
+            ft = trainer.strategy.fault_tolerance
+            log = ft.group.log if ft is not None else None
+            line = {"t": time.time(), "step": trainer.global_step,
+                    "quorum": log.participants[-1] if log else None, "committed": log.committed[-1] if log else True,
+                    "committed_steps": ft.step_count if ft is not None else trainer.global_step}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        time.sleep(self.pause)
+
+
+def strategy_options(args):
+    return {"sharded_data_parallel_degree": args.s, "param_persistence_threshold": 100,
+            "fault_tolerance": args.mode in ("ft", "fabric"), "timeout": 120}
+
+
+def run_trainer(args, tag):
+    record = str(Path(args.out) / f"{tag}_steps.jsonl") if args.record else None
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                        strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
+                        accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Record(record, args.pause)])
+    model = Module()
+    data = DataLoader(dataset(args.samples), batch_size=BATCH, shuffle=False)
+    trainer.fit(model, data)
+    if trainer.global_rank == 0:
+        summary = trainer.strategy.fault_tolerance.summary() if trainer.strategy.fault_tolerance else None
+        torch.save({"params": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
+                    "global_step": trainer.global_step, "summary": summary}, Path(args.out) / f"{tag}.pt")
+
+
+def run_fabric(args, tag):
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                      strategy=FabricMiCS(**strategy_options(args)))
+    fabric.launch()
+    model = build()
+    model, opt = fabric.setup(model, optimizer(model))
+    ft = fabric.strategy.fault_tolerance
+    data = dataset(args.samples)
+    kw = fabric.strategy.distributed_sampler_kwargs
+    while ft.step_count < args.steps:  # the data of a step follows the committed step: a retried step rereads it
+        step = ft.step_count
+        for micro in range(args.accum):
+            first = ((step * args.accum + micro) * kw["num_replicas"] + kw["rank"]) * BATCH
+            x, y = data[first:first + BATCH]
+            with fabric.no_backward_sync(model, enabled=micro < args.accum - 1):
+                fabric.backward(loss_of(model, x, y) / args.accum)
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if fabric.global_rank == 0:
+        torch.save({"params": {k: v.detach().clone() for k, v in state.items()}, "global_step": ft.step_count,
+                    "summary": ft.summary()}, Path(args.out) / f"{tag}.pt")
+
+
+def run_plain(args, tag, world):
+    """The global batch of each step: what ``world`` ranks read through the DistributedSampler Lightning puts in
+    (shuffled, seed 0), joined in one process."""
+    from torch.utils.data import DistributedSampler
+
+    model = build()
+    opt = optimizer(model)
+    data = dataset(args.samples)
+    parts = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)]
+    for step in range(args.steps):
+        opt.zero_grad()
+        for micro in range(args.accum):
+            at = (step * args.accum + micro) * BATCH
+            x, y = data[torch.tensor([i for part in parts for i in part[at:at + BATCH]])]
+            (loss_of(model, x, y) / args.accum).backward()
+        opt.step()
+    torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "global_step": args.steps},
+               Path(args.out) / f"{tag}.pt")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["ft", "fabric", "mics", "plain"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--s", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--world", type=int, default=4, help="--mode plain: the ranks whose batches it joins")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps after each step")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args()
+    group = os.environ.get("REPLICA_GROUP_ID")
+    tag = args.tag or (f"{args.mode}{group}" if args.mode in ("ft", "fabric") else args.mode)
+    if args.mode == "plain":
+        run_plain(args, tag, args.world)
+    elif args.mode == "fabric":
+        run_fabric(args, tag)
+    else:
+        run_trainer(args, tag)
+
+
+if __name__ == "__main__":
+    main()
