@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-_log = logging.getLogger("lightning_mics.fault_tolerance")
+_log = logging.getLogger("lightning.pytorch.strategies.mics")  # shown as Lightning's INFO lines are
 _OPS_TIMEOUT_S = 60  # torchft's default for its collectives, should_commit and the peer transfer
 ENV_LIGHTHOUSE, ENV_GROUP, ENV_GROUPS = "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS"
 

@@ -32,7 +32,6 @@ is set up and each next one right after a step's commit; the loop's position is 
 from __future__ import annotations
 
 import atexit
-import logging
 import math
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -44,7 +43,6 @@ from lightning_mics.comm.managed import GroupEnvironment, ManagedGroup
 from lightning_mics.engine.engine import MiCSEngine
 from lightning_mics.layout.placement import local
 
-_log = logging.getLogger("lightning_mics.fault_tolerance")
 
 
 def check_environment() -> GroupEnvironment:

@@ -115,6 +115,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self.comm_stats: Dict[str, float] = {}
         # [Note: fault-tolerant replica groups] in options.py: the managed group, while a fit runs
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
+        self.fault_tolerance_summary: Optional[Dict[str, Any]] = None  # the last fit's quorum, for reports
 
     config = property(lambda self: self.options, doc="The options (``self.options``), read-only.")
 
@@ -413,7 +414,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                 self._engine = None
         self._topology = F.release_unused(self._topology)
         self._failed = False
-        self._stop_fault_tolerance(wait=True)
+        trainer_quorum.stop(self, wait=True)
         if self.lightning_module is not None:
             self.model = self.lightning_module
             if self._layer_sync is not None and F.engine_of(self.lightning_module) is None:
@@ -435,13 +436,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             if engine is not None:
                 engine.reset(rows_wait_s=reliability.GRACE_S if alike else 0.0)
 
-        self._stop_fault_tolerance(wait=False)  # the other groups' traffic with this one fails at once
+        trainer_quorum.stop(self, wait=False)  # the other groups' traffic with this one fails at once
         reliability.on_failure(reset)  # [Note: a lone failure] in reliability.py
-
-    def _stop_fault_tolerance(self, wait: bool) -> None:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        trainer_quorum.stop(self.fault_tolerance, trainer, wait)
-        self.fault_tolerance = None
 
     @classmethod
     @override

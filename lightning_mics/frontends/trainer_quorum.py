@@ -108,10 +108,15 @@ def start(trainer: "pl.Trainer", engine: Any, optimizers: Any, device: Any, opti
     return ft
 
 
-def stop(ft: Optional[FaultTolerance], trainer: Optional["pl.Trainer"], wait: bool) -> None:
-    """The managed group shut down (``wait=False`` after a failure) and the callback out of the Trainer's list."""
+def stop(strategy: Any, wait: bool) -> None:
+    """The strategy's managed group shut down (``wait=False`` after a failure), the callback out of the Trainer's
+    list, and the quorum's summary kept as ``strategy.fault_tolerance_summary`` (for reports)."""
+    ft: Optional[FaultTolerance] = strategy.fault_tolerance
     if ft is None:
         return
+    strategy.fault_tolerance_summary = ft.summary()
     ft.shutdown(wait=wait)
+    strategy.fault_tolerance = None
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
     if trainer is not None:
         trainer.callbacks[:] = [c for c in trainer.callbacks if not isinstance(c, TrainerQuorum)]

@@ -7,9 +7,12 @@ the strategy's ``distributed_sampler_kwargs``.
     --mode mics      MiCSStrategy without fault tolerance (the same global batches over all ranks)
     --mode plain     one process, the global batch of every step
 
-Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step) and, with ``--record``,
-``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum, committed), where
-``tag`` is ``--tag`` (default: the mode, with the group id under fault tolerance).
+Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step, the quorum's summary) and,
+with ``--record``, ``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum,
+committed) and ``<out>/<tag>_r<rank>_samples.jsonl`` (every rank: the sample indices of each batch), where ``tag``
+is ``--tag`` (default: the mode, with the group id under fault tolerance). ``--resumable``: the training sampler
+starts an epoch at the loop's batch (the main job's, lightning_mics/app/data.py), so a group that joins reads its
+part from the job's position. ``--ckpt DIR``: a sharded checkpoint at the end, in DIR; ``--resume DIR``: from it.
 """
 
 import argparse
@@ -40,14 +43,19 @@ def build():
     return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
 
 
+OPT = "adamw"  # --opt
+
+
 def optimizer(model):
+    if OPT == "sgd":  # rounding differences stay rounding-sized (Adam scales small gradients up)
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
 
 
 def dataset(n):
     g = torch.Generator().manual_seed(7)
     idx = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
-    return TensorDataset(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    return TensorDataset(idx[:, :-1].contiguous(), idx[:, 1:].contiguous(), torch.arange(n))
 
 
 def loss_of(model, x, y):
@@ -56,15 +64,31 @@ def loss_of(model, x, y):
 
 
 class Module(L.LightningModule):
-    def __init__(self):
+    def __init__(self, samples, resumable, record):
         super().__init__()
         self.model = build()
+        self.samples, self.resumable, self.record = samples, resumable, record
 
     def training_step(self, batch, idx):
-        return loss_of(self.model, *batch)
+        x, y, ids = batch
+        if self.record:
+            with open(f"{self.record}_r{self.trainer.global_rank}_samples.jsonl", "a") as f:
+                f.write(json.dumps(ids.tolist()) + "\n")
+        return loss_of(self.model, x, y)
 
     def configure_optimizers(self):
         return optimizer(self.model)
+
+    def train_dataloader(self):
+        data = dataset(self.samples)
+        if not self.resumable:  # Lightning puts in its DistributedSampler (shuffled, seed 0)
+            return DataLoader(data, batch_size=BATCH, shuffle=False)
+        from lightning_mics.app.data import ResumableSampler
+
+        done = lambda: self.trainer.fit_loop.epoch_loop.batch_progress.current.ready  # noqa: E731
+        sampler = ResumableSampler(data, BATCH, done, shuffle=True, seed=0,
+                                   **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(data, batch_size=BATCH, sampler=sampler)
 
 
 class Record(L.Callback):
@@ -88,6 +112,17 @@ class Record(L.Callback):
         time.sleep(self.pause)
 
 
+class SaveAtEnd(L.Callback):
+    """A sharded checkpoint at the batch whose optimizer step ends training (callbacks' states included)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.path and trainer.global_step == trainer.max_steps:
+            trainer.save_checkpoint(self.path)
+
+
 def strategy_options(args):
     return {"sharded_data_parallel_degree": args.s, "param_persistence_threshold": 100,
             "fault_tolerance": args.mode in ("ft", "fabric"), "timeout": 120}
@@ -99,12 +134,11 @@ def run_trainer(args, tag):
                         strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
                         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Record(record, args.pause)])
-    model = Module()
-    data = DataLoader(dataset(args.samples), batch_size=BATCH, shuffle=False)
-    trainer.fit(model, data)
+                        callbacks=[Record(record, args.pause), SaveAtEnd(args.ckpt)])
+    model = Module(args.samples, args.resumable, str(Path(args.out) / tag) if args.record else None)
+    trainer.fit(model, ckpt_path=args.resume)
     if trainer.global_rank == 0:
-        summary = trainer.strategy.fault_tolerance.summary() if trainer.strategy.fault_tolerance else None
+        summary = trainer.strategy.fault_tolerance_summary
         torch.save({"params": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
                     "global_step": trainer.global_step, "summary": summary}, Path(args.out) / f"{tag}.pt")
 
@@ -122,7 +156,7 @@ def run_fabric(args, tag):
         step = ft.step_count
         for micro in range(args.accum):
             first = ((step * args.accum + micro) * kw["num_replicas"] + kw["rank"]) * BATCH
-            x, y = data[first:first + BATCH]
+            x, y, _ = data[first:first + BATCH]
             with fabric.no_backward_sync(model, enabled=micro < args.accum - 1):
                 fabric.backward(loss_of(model, x, y) / args.accum)
         opt.step()
@@ -134,8 +168,8 @@ def run_fabric(args, tag):
 
 
 def run_plain(args, tag, world):
-    """The global batch of each step: what ``world`` ranks read through the DistributedSampler Lightning puts in
-    (shuffled, seed 0), joined in one process."""
+    """The global batch of each step, through one process: what ``world`` ranks read through the DistributedSampler
+    Lightning puts in (shuffled, seed 0), or with ``--fabric-data`` through the Fabric loop's slices."""
     from torch.utils.data import DistributedSampler
 
     model = build()
@@ -146,7 +180,10 @@ def run_plain(args, tag, world):
         opt.zero_grad()
         for micro in range(args.accum):
             at = (step * args.accum + micro) * BATCH
-            x, y = data[torch.tensor([i for part in parts for i in part[at:at + BATCH]])]
+            if args.fabric_data:
+                x, y, _ = data[at * world:(at + BATCH) * world]
+            else:
+                x, y, _ = data[torch.tensor([i for part in parts for i in part[at:at + BATCH]])]
             (loss_of(model, x, y) / args.accum).backward()
         opt.step()
     torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "global_step": args.steps},
@@ -165,7 +202,14 @@ def main():
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps after each step")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--resumable", action="store_true")
+    ap.add_argument("--fabric-data", action="store_true", help="--mode plain: the Fabric loop's batches")
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--opt", choices=["adamw", "sgd"], default="adamw")
     args = ap.parse_args()
+    global OPT
+    OPT = args.opt
     group = os.environ.get("REPLICA_GROUP_ID")
     tag = args.tag or (f"{args.mode}{group}" if args.mode in ("ft", "fabric") else args.mode)
     if args.mode == "plain":
