@@ -157,15 +157,17 @@ def test_a_lost_host_is_dropped_and_rejoins_from_its_peer(two_hosts, tmp_path):
         job.lighthouse(min_replicas=1, heartbeat_ms=2000, host=0)
         job.start(0, args)
         job.start(1, args)
-        wait_for(lambda: len(records(a)) >= 6 and len(records(b)) >= 6, 240, what="6 steps on both hosts")
+        wait_for(lambda: job.check() and len(records(a)) >= 6 and len(records(b)) >= 6, 240,
+                 what="6 steps on both hosts")
         killed = job.kill(1)
         before = len(records(b))
         # the survivor steps without the lost group: a quorum of 1 (a timeout, not a measured figure)
-        wait_for(lambda: any(r["t"] > killed and r["quorum"] == 1 for r in records(a)), 60,
+        wait_for(lambda: job.check() and any(r["t"] > killed and r["quorum"] == 1 for r in records(a)), 60,
                  what="a step of the surviving group without the lost one")
         job.start(1, args)
         restarted = job.started_at[1][-1]
-        wait_for(lambda: len(records(b)) > before, 60, what="the restarted group's first step in the quorum")
+        wait_for(lambda: job.check() and len(records(b)) > before, 60,
+                 what="the restarted group's first step in the quorum")
         codes = [job.wait(g, timeout=400) for g in range(2)]
         logs = {g: job.log(job.current(g))[-4000:] for g in range(2)}
         job.stop_lighthouse()

@@ -55,6 +55,7 @@ class GroupEnvironment:
     @classmethod
     def from_env(cls) -> "GroupEnvironment":
         """Raises ValueError naming the variable that is missing or wrong; also when torchft is not installed."""
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's manager and lighthouse clients log every step at info
         try:
             import torchft  # noqa: F401
         except ImportError:
@@ -100,6 +101,10 @@ class ManagedGroup:
     def __init__(self, env: GroupEnvironment, device: torch.device, quorum_timeout_s: float) -> None:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
+
+        quiet = logging.getLogger("torchft")
+        if quiet.level == logging.NOTSET:  # its lines per step and rank, unless the user set its level
+            quiet.setLevel(logging.WARNING)
 
         self.env, self.device = env, device
         ops = timedelta(seconds=_OPS_TIMEOUT_S)

@@ -186,7 +186,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         if engine is None or len(self._engines) != 1 or self.fault_tolerance is not None:
             raise ValueError("MiCSStrategy(fault_tolerance=True) under Fabric: allowed is one module and one optimizer "
                              "over its parameters (one commit decision per step of the job).")
-        self.fault_tolerance = ft.FaultTolerance(self.root_device, self.options.timeout, self.options.reduce_bucket_size)
+        self.fault_tolerance = ft.FaultTolerance(self.root_device, self.options.timeout,
+                                                 self.options.reduce_bucket_size)
         self.fault_tolerance.attach(engine, self._optimizers)
         self.fault_tolerance.quorum()
 

@@ -137,9 +137,11 @@ class FaultTolerance:
                 flat = torch.cat(parts + ([flags] if last_fp32 else [])) if parts or last_fp32 else None
                 buckets.append((members, flat, last_fp32))
         works = [self.group.all_reduce_mean(flat) for _, flat, _ in buckets]
+        for _, flat, _ in buckets:
+            engine.log.record("all_reduce", "groups", flat.numel() * flat.element_size())  # the cross-group hop
         for work in works:
             work.wait()  # an error is recorded, not raised: the step is then not taken ([Note: a step not taken])
-        summed = next(flat[flat.numel() - flags.numel():] for _, flat, carries in buckets if carries)
+        summed = next(flat[flat.numel() - flags.numel():] for _, flat, carries in buckets if carries).cpu()
         for members, flat, _ in buckets:
             at = 0
             for i in members:

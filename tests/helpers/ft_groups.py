@@ -93,6 +93,15 @@ class FTJob:
         self.started_at.setdefault(group, []).append(time.time())
         return self._popen(f"group{group}_{n}", host, cmd, _env(env))
 
+    def check(self) -> bool:
+        """Raises, with its log's end, when a launch still counted as running has ended with an error: a wait for
+        it to step would wait in vain. True otherwise (so it can stand in a ``wait_for`` predicate)."""
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code not in (None, 0):
+                raise RuntimeError(f"{name} exited with {code}:\n{self.log(name)[-4000:]}")
+        return True
+
     def current(self, group: int) -> str:
         return f"group{group}_{self.launches[group] - 1}"
 

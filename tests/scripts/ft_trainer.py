@@ -36,11 +36,12 @@ from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
 
 VOCAB, SEQ, BATCH = 61, 12, 2  # per-rank batch
+WIDTH, LAYERS = 32, 2  # --width, --layers (the benchmark's larger model)
 
 
 def build():
     torch.manual_seed(1234)
-    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=32))
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=WIDTH))
 
 
 OPT = "adamw"  # --opt
@@ -131,7 +132,7 @@ def strategy_options(args):
 def run_trainer(args, tag):
     record = str(Path(args.out) / f"{tag}_steps.jsonl") if args.record else None
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-                        strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
+                        num_nodes=args.num_nodes, strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
                         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record(record, args.pause), SaveAtEnd(args.ckpt)])
@@ -191,6 +192,7 @@ def run_plain(args, tag, world):
 
 
 def main():
+    global OPT, WIDTH, LAYERS
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["ft", "fabric", "mics", "plain"], required=True)
     ap.add_argument("--out", required=True)
@@ -207,9 +209,11 @@ def main():
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--opt", choices=["adamw", "sgd"], default="adamw")
+    ap.add_argument("--num-nodes", type=int, default=1)
+    ap.add_argument("--width", type=int, default=WIDTH)
+    ap.add_argument("--layers", type=int, default=LAYERS)
     args = ap.parse_args()
-    global OPT
-    OPT = args.opt
+    OPT, WIDTH, LAYERS = args.opt, args.width, args.layers
     group = os.environ.get("REPLICA_GROUP_ID")
     tag = args.tag or (f"{args.mode}{group}" if args.mode in ("ft", "fabric") else args.mode)
     if args.mode == "plain":
