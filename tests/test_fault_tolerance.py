@@ -116,6 +116,30 @@ def test_checkpoint_resumes_with_the_committed_steps(tmp_path):
     assert ft0["summary"]["committed_steps"] == 4 and ft0["summary"]["steps"] == 2, ft0["summary"]
 
 
+def test_the_main_job_under_fault_tolerance(tmp_path):
+    """``lightning-mics-train strategy.fault_tolerance=true`` as two torchrun jobs: both groups end at the last step
+    with the same validation loss (bit-equal models), the quorum in the progress bar and a quorum line in the
+    report."""
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=2)
+        for g in range(2):
+            job.start(g, ["strategy.fault_tolerance=true", "trainer.max_steps=12", "trainer.val_check_interval=6",
+                          "data.max_bytes=300000", "model.n_layer=2", "callbacks.progress_bar.refresh_rate=1",
+                          f"hydra.run.dir={tmp_path / f'run{g}'}"], module="lightning_mics.app.train")
+        codes = [job.wait(g, timeout=400) for g in range(2)]
+        logs = [job.log(job.current(g)) for g in range(2)]
+    assert codes == [0, 0], "\n".join(f"--- group {g} (exit {c}) ---\n{t[-4000:]}" for g, (c, t) in
+                                      enumerate(zip(codes, logs)))
+    reports = [json.loads((tmp_path / f"run{g}" / "report.json").read_text()) for g in range(2)]
+    assert reports[0]["steps"] == reports[1]["steps"] == 12
+    assert reports[0]["val_loss_final"] == reports[1]["val_loss_final"]
+    for g, (report, log) in enumerate(zip(reports, logs)):
+        ft = report["fault_tolerance"]
+        assert (ft["group"], ft["committed"], ft["failed"], ft["participants_min"]) == (g, 12, 0, 2), ft
+        assert "quorum=2" in log and f"[report] fault tolerance: group {g} of 2" in log
+
+
 # -- a lost host -----------------------------------------------------------------------------------------------
 def _ip(*args):
     return subprocess.run(["ip", *args], capture_output=True, text=True)

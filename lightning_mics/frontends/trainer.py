@@ -140,7 +140,8 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         """One sampler shard per rank; with ``prescaled_batch`` one per tensor-parallel group (its t ranks read
         the same batch: the data-parallel rank and size)."""
         world = self.num_nodes * self.num_processes
-        if self.options.fault_tolerance:  # this group's part ([Note: joining at the current step])
+        trainer = getattr(self.lightning_module, "_trainer", None)  # training data: this group's part; evaluation:
+        if self.options.fault_tolerance and (trainer is None or trainer.training):  # over its ranks, as one job
             return ft.FaultTolerance.sampler_part(world, self.global_rank)
         if self.options.prescaled_batch:
             t = self.options.tensor_parallel_degree
