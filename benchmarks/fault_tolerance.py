@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.twohosts import TwoHosts  # noqa: E402
@@ -74,7 +76,8 @@ def overhead(hosts: TwoHosts, out: Path, model: List[str], steps: int) -> Dict[s
         raise RuntimeError(f"the fault-tolerant job failed: {codes} (logs in {ft})")
     plain = statistics.median(_step_times(records(base / "mics_steps.jsonl"), 10))
     tolerant = statistics.median(_step_times(records(ft / "ft0_steps.jsonl"), 10))
-    return {"step_s_without": plain, "step_s_with": tolerant, "ratio": tolerant / plain}
+    parts = torch.load(ft / "ft0.pt", weights_only=False)["summary"]["median_seconds"]
+    return {"step_s_without": plain, "step_s_with": tolerant, "ratio": tolerant / plain, "parts": parts}
 
 
 def kill_and_restart(hosts: TwoHosts, out: Path, model: List[str], heartbeat_ms: int, port: int, after: int = 10,
@@ -116,7 +119,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--heartbeat-ms", type=int, nargs="+", default=[5000, 1000],
                     help="the lighthouse's --heartbeat_timeout_ms (5000: torchft's default)")
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="kills per heartbeat timeout (0: the overhead only)")
     ap.add_argument("--overhead-steps", type=int, default=80)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
@@ -143,8 +146,10 @@ def main() -> None:
     lines += [f"| {k['heartbeat_ms'] / 1000:g} s | {k['step_s_before']:.3f} s | {k['next_step_end_s']:.2f} s | "
               f"{k['kill_gap_s']:.2f} s | {k['restart_to_step_s']:.1f} s | {k['heal']} | {k['not_committed']} | "
               f"{k['steps_with_one_group']} |" for k in kills]
+    parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in ov["parts"].items() if v is not None)
     lines += ["", f"Without failures: median step {ov['step_s_with']:.3f} s with fault tolerance, "
-              f"{ov['step_s_without']:.3f} s without (one 4-rank job, s = 2, r = 2): {ov['ratio']:.2f}x."]
+              f"{ov['step_s_without']:.3f} s without (one 4-rank job, s = 2, r = 2): {ov['ratio']:.2f}x; "
+              f"its parts on group 0's rank 0, median per step: {parts}."]
     print("\n".join(lines))
     if args.log:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,

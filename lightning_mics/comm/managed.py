@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -83,6 +84,7 @@ class QuorumLog:
     commit_times: List[float] = field(default_factory=list)  # time.time() of each decision
     heals: List[Dict[str, Any]] = field(default_factory=list)  # {"step", "seconds"}: loaded a live peer's state
     sent: int = 0  # how often a joining peer loaded this group's state
+    seconds: Dict[str, List[float]] = field(default_factory=lambda: {"quorum": [], "average": [], "commit": []})
 
     def summary(self) -> Dict[str, Any]:
         parts = self.participants
@@ -90,7 +92,8 @@ class QuorumLog:
                 "participants_min": min(parts) if parts else None, "participants_max": max(parts) if parts else None,
                 "quorum_changes": sum(1 for a, b in zip(parts, parts[1:]) if a != b),
                 "recoveries": len(self.heals), "peers_healed": self.sent,
-                "heal_seconds": [round(h["seconds"], 3) for h in self.heals]}
+                "heal_seconds": [round(h["seconds"], 3) for h in self.heals],
+                "median_seconds": {k: round(statistics.median(v), 4) if v else None for k, v in self.seconds.items()}}
 
 
 class ManagedGroup:
@@ -143,6 +146,7 @@ class ManagedGroup:
         self._quorum_started = time.monotonic()
         before = len(self.log.heals)
         self.manager.start_quorum()
+        self.log.seconds["quorum"].append(time.monotonic() - self._quorum_started)
         if len(self.log.heals) > before and dist.get_rank() == 0:
             _log.info(f"[fault tolerance] group {self.env.group} healed from a live peer at step "
                       f"{self.manager.current_step()} ({self.log.heals[-1]['seconds']:.1f} s)")
@@ -165,7 +169,9 @@ class ManagedGroup:
     def commit(self) -> bool:
         """Whether this step is taken: agreed by every rank of the group ([Note: one quorum per step])."""
         n = self.participants
+        t0 = time.monotonic()
         ok = bool(self.manager.should_commit())
+        self.log.seconds["commit"].append(time.monotonic() - t0)
         self.log.participants.append(n)
         self.log.committed.append(ok)
         self.log.commit_times.append(time.time())

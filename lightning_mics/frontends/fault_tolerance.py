@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -118,6 +119,7 @@ class FaultTolerance:
     def average_gradients(self, engine: MiCSEngine) -> None:
         """[Note: the cross-group average]. Every rank of every group in the quorum calls it at the same point."""
         self.quorum()  # a step whose quorum no batch start formed (Fabric's first, a second step in one batch)
+        started = time.monotonic()
         placed = [p for u in engine.units for p in u.all_params() if p.requires_grad]
         grads = [local(p.sharded.grad) if p.sharded.grad is not None else None for p in placed]
         device = engine.device
@@ -152,6 +154,7 @@ class FaultTolerance:
                     grads[i].copy_(region)
                 elif float(summed[i]) > 0:
                     p.sharded.grad = p.wrap(region.clone())
+        self.group.log.seconds["average"].append(time.monotonic() - started)
 
     def commit(self) -> bool:
         """Whether this step is taken ([Note: a step not taken]); its gradients are dropped when it is not."""
