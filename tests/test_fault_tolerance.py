@@ -172,10 +172,12 @@ def _samples(out, tag, ranks=(0, 1)):
 
 
 def test_a_lost_host_is_dropped_and_rejoins_from_its_peer(two_hosts, tmp_path):
-    """Host B's group killed (SIGKILL to its agent and workers) after 6 steps and started again at once."""
-    steps = 70
+    """Host B's group killed (SIGKILL to its agent and workers) after 6 steps and started again at once. The
+    survivor pauses 0.75 s after each step it takes alone (0.25 s otherwise), so that it still runs, as a long job
+    would, when the restarted group is back (within 60 s: the wait's timeout)."""
+    steps = 80
     args = ["--mode", "ft", "--out", str(tmp_path), "--steps", str(steps), "--record", "--pause", "0.25",
-            "--resumable"]
+            "--pause-alone", "0.75", "--resumable"]
     a, b = tmp_path / "ft0_steps.jsonl", tmp_path / "ft1_steps.jsonl"
     with FTJob(tmp_path, two_hosts, HOSTS, 29540, 29550) as job:
         job.lighthouse(min_replicas=1, heartbeat_ms=2000, host=0)

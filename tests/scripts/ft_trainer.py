@@ -93,10 +93,12 @@ class Module(L.LightningModule):
 
 
 class Record(L.Callback):
-    """Rank 0: a line per optimizer step (after it), and a pause that gives a test time to act mid-run."""
+    """Rank 0: a line per optimizer step (after it), and a pause that gives a test time to act mid-run
+    (``pause_alone`` while the quorum holds this group only: a survivor still runs when its peer is back)."""
 
-    def __init__(self, path, pause):
+    def __init__(self, path, pause, pause_alone=None):
         self.path, self.pause, self.last = path, pause, -1
+        self.pause_alone = pause if pause_alone is None else pause_alone
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.last:
@@ -110,7 +112,9 @@ class Record(L.Callback):
                     "committed_steps": ft.step_count if ft is not None else trainer.global_step}
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
-        time.sleep(self.pause)
+        ft = trainer.strategy.fault_tolerance
+        alone = ft is not None and ft.group.log.participants and ft.group.log.participants[-1] == 1
+        time.sleep(self.pause_alone if alone else self.pause)
 
 
 class SaveAtEnd(L.Callback):
@@ -135,7 +139,7 @@ def run_trainer(args, tag):
                         num_nodes=args.num_nodes, strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
                         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Record(record, args.pause), SaveAtEnd(args.ckpt)])
+                        callbacks=[Record(record, args.pause, args.pause_alone), SaveAtEnd(args.ckpt)])
     model = Module(args.samples, args.resumable, str(Path(args.out) / tag) if args.record else None)
     trainer.fit(model, ckpt_path=args.resume)
     if trainer.global_rank == 0:
@@ -203,6 +207,7 @@ def main():
     ap.add_argument("--world", type=int, default=4, help="--mode plain: the ranks whose batches it joins")
     ap.add_argument("--record", action="store_true")
     ap.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps after each step")
+    ap.add_argument("--pause-alone", type=float, default=None, help="the pause while the quorum is this group alone")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--resumable", action="store_true")
     ap.add_argument("--fabric-data", action="store_true", help="--mode plain: the Fabric loop's batches")
