@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_mics.comm import collectives as C  # noqa: E402
+from lightning_mics.comm import collectives  # noqa: E402
 from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
 
 S2 = dict(s=2, ranks_per_node=None)
@@ -83,7 +83,7 @@ def build(name, cfg, mp_cfg):
 
 def step(name, model, engine, opt, batches, order):
     accum = len(batches)
-    C.HOP_ORDER = order or C.HOP_ORDER
+    collectives.HOP_ORDER = order or collectives.HOP_ORDER
     for m, x in enumerate(batches):
         last = m == accum - 1
         if engine is not None:

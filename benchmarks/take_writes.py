@@ -1,5 +1,5 @@
-"""The time of one ``take_writes`` ([Note: writes between steps] in lightning_mics/engine/lent.py): the optimizer's
-pre-step hook comparing the module's plain parameters with the masters it was handed, under ZeRO-1
+"""The time of one write-back of what user code wrote (``UserCodeBoundary.masters_read``, [Note: writes between steps]
+in lightning_mics/engine/user_code/write_back.py): the optimizer's pre-step hook comparing the module's plain parameters with the masters it was handed, under ZeRO-1
 (``sharded_data_parallel_degree=1, shard_optimizer_state=True``) and a mixed precision, where the plain parameters
 are ``param_dtype`` copies of every parameter. A stack of ``--layers`` Linear(width, width) in Fabric, one step, then
 ``--repeat`` timed calls on every rank; rank 0 prints the median and the minimum (ms) as one JSON line.
@@ -45,7 +45,7 @@ def main() -> None:
     times = []
     for _ in range(args.repeat):
         start = time.perf_counter()
-        engine.schedule.take_writes()
+        engine.user_code.masters_read()
         times.append(time.perf_counter() - start)
     times.sort()
     if fabric.global_rank == 0:

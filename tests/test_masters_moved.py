@@ -1,5 +1,5 @@
 """Optimizers that move the masters outside their own step ([Note: masters moved outside a step] in
-lightning_mics/engine/lent.py, [Note: steps the engine hears of] in lightning_mics/engine/optimizer_hooks.py): the Trainer against
+lightning_mics/engine/lent.py, [Note: steps the engine hears of] in lightning_mics/engine/user_code/optimizer_watch.py): the Trainer against
 DDP on the same data and seed (``tests/scripts/masters_moved.py``); Fabric's SAM loop is in test_step_closure.py.
 
 On the code before: SAM under manual optimization ended 0.19 from DDP at s = 2 and under ZeRO-1 (2 ranks), 0.15
@@ -16,7 +16,7 @@ from copy import deepcopy
 import pytest
 import torch
 
-from lightning_mics.engine.optimizer_hooks import StepWatch, held_optimizers
+from lightning_mics.engine.user_code.optimizer_watch import StepWatch, held_optimizers
 from tests.helpers.cases import CaseRuns, max_diff
 from tests.helpers.launch import REPO
 from tests.scripts.masters_moved import SAM, Lookahead

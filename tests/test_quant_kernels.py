@@ -1,6 +1,7 @@
 """triton_kernels' block-quantized int8 ops: the Triton path (interpreted on CPU, compiled on a GPU) against
 the torch fallback bit for bit, and both against a per-block reference written from
-[Note: quantized wire format] (triton_kernels/_quant_layout.py) and against the properties the engine relies on.
+[Note: quantized wire format] and [Note: quantized block rule] (triton_kernels/_quant_layout.py) and against the
+properties the engine relies on.
 
     TRITON_INTERPRET=1 python -m pytest -q tests/test_quant_kernels.py
 """

@@ -1,6 +1,6 @@
-"""What runs inside an optimizer step's closure ([Note: evaluations inside a step] in lightning_mics/engine/schedule.py), and
+"""What runs inside an optimizer step's closure ([Note: evaluations inside a step] in lightning_mics/engine/user_code/boundary.py), and
 the gradients user code reaches through ZeRO-1's plain parameters ([Note: gradients on the plain parameters] in
-lightning_mics/engine/shown_grads.py): the Trainer against DDP on the same data and seed (``tests/scripts/step_closure.py``),
+lightning_mics/engine/user_code/mirrored_grads.py): the Trainer against DDP on the same data and seed (``tests/scripts/step_closure.py``),
 Fabric against one plain process on the union of the ranks' batches (``tests/scripts/fabric_step.py``).
 
 On the code before, each of these failed (max abs from the control): forwards without backward then a step reusing

@@ -1,10 +1,10 @@
 """Parameters read and written outside the optimizer step, against DDP on the same data and seed: MiCS at s = 2
 and the layouts that shard the optimizer state (``shard_optimizer_state=True``).
 
-- s = 2 ([Note: writes between steps] in ``lightning_mics/engine/lent.py``): the root unit stays gathered between the
+- s = 2 ([Note: writes between steps] in ``lightning_mics/engine/user_code/write_back.py``): the root unit stays gathered between the
   micro-batches of a window; before its gathered parameters were taken into the masters, a clamp between
   micro-batches was lost (0.0094 from DDP on 4 ranks).
-- s = 1, the optimizer-state-only layout ([Note: writes between steps] in ``lightning_mics/engine/lent.py``): between steps
+- s = 1, the optimizer-state-only layout ([Note: writes between steps] in ``lightning_mics/engine/user_code/write_back.py``): between steps
   the module computes with whole plain copies of the parameters, which the step's all-gather refreshes from the
   optimizer's master rows. Before the masters took the writes back, a clamp after every step ended 4.05 from DDP on
   4 ranks, as if it never ran.

@@ -47,13 +47,12 @@ def kernels_interpreted() -> bool:
 
 # [Note: auto's size rule]
 # On CUDA "auto" runs a bucket copy in Triton from AUTO_MIN_NUMEL buffer elements up (padding included), and
-# chunk_split with a cast at any size; torch below. benchmarks/kernels_h100.md (H100, triton 3.6, 10 and 100
-# fp32 tensors, 1 MB - 1 GB): from 256 MB of fp32 (2**26 elements) every copy op ran at 0.97-9.7x of its best
-# torch baseline; at 64 MB and below flatten ran at 0.03-0.88x (with or without a cast) and the other no-cast
-# ops at 0.11-1.94x by tensor count (host launch cost), chunk_split with a cast at 2.8-11.4x. 64-256 MB was not
-# measured: the threshold is the first size where Triton won everywhere. Those runs reused their tensors; measure
-# again on a GPU with `python benchmarks/kernels.py --rotate` and set it here. The quantized ops take no size:
-# 2.3-21x the torch fallback of then at every size from 1 MB (quant_kernels_h100.md).
+# chunk_split with a cast at any size; torch below. AUTO_MIN_NUMEL (2**26, 256 MB of fp32) is the first measured
+# size at which every copy op ran in Triton about as fast as its best torch baseline or faster (H100, triton 3.6:
+# benchmarks/kernels_h100.md); below it flatten and the other no-cast ops lose to torch at some tensor counts
+# (the host's launch cost), while chunk_split with a cast wins in Triton at every size. 64-256 MB was not measured and those runs reused their
+# tensors: measure again on a GPU with `python benchmarks/kernels.py --rotate` and set it here. The quantized ops
+# take no size: Triton beats their torch fallback at every size from 1 MB (quant_kernels_h100.md).
 AUTO_MIN_NUMEL = 1 << 26
 
 

@@ -1,6 +1,6 @@
 """The torch fallback of the quantized ops, bit-identical to quant_pack.py / quant_unpack.py.
 
-Same arithmetic in the same order as the kernels (see [Note: quantized wire format] in
+Same arithmetic in the same order as the kernels (see [Note: quantized block rule] in
 _quant_layout.py): fp32 inputs (+ residual), absmax / 127, x / scale clamped and rounded half to
 even (torch.round), float(q) * scale, and for the sum an fp32 accumulation over chunks 0, 1, ...
 starting from 0. Inputs arrive checked; callers run these under torch.no_grad().
@@ -12,8 +12,7 @@ those two views. Per element, quantize reads the input once for the block absmax
 |x| temporary), once for x / scale (into the one fp32 temporary, clamped and rounded in place) and
 writes int8 once; dequantize is one int8 x fp32 multiply written straight into its output when
 that output is one fp32 tensor of the chunks' size. Only blocks that hold a NaN or an inf take an
-extra pass (their values are zeroed before the int8 cast). Before and after: benchmarks/LOG.md,
-"The torch fallback of the quantized ops".
+extra pass (their values are zeroed before the int8 cast).
 """
 
 from __future__ import annotations

@@ -1,22 +1,21 @@
 """The wire format of block-quantized int8 buffers, and the argument checks of the quantized ops.
 
 [Note: quantized wire format]
-A flat of n elements (the tensors of a bucket concatenated in order) is cut into r = num_chunks
-equal chunks of c = ceil(n / r) elements rounded up to a multiple of 4; the flat is zero-padded to
-r * c (at most 4r - 1 padding elements, all at the end). Each chunk is cut into nb = ceil(c / B)
-blocks of B = block_size elements starting at the chunk's start, so a block never straddles a chunk;
-the last block of a chunk is short (c - (nb - 1) * B elements), not padded. Chunk j travels as one
-row of row_bytes = 4 * nb + c bytes in a uint8 (r, row_bytes) "wire" buffer:
+A flat of n elements (the tensors of a bucket concatenated in order) is cut into r = num_chunks equal chunks of
+c = ceil(n / r) elements rounded up to a multiple of 4; the flat is zero-padded to r * c (at most 4r - 1 padding
+elements, all at the end). Each chunk is cut into nb = ceil(c / B) blocks of B = block_size elements from the
+chunk's start, so a block never straddles a chunk; a chunk's last block is short (c - (nb - 1) * B elements), not
+padded. Chunk j travels as one row of row_bytes = 4 * nb + c bytes in a uint8 (r, row_bytes) "wire" buffer:
 
     row j = [ nb fp32 scales (4 * nb bytes, native byte order) | c int8 values ]
 
-so the scales travel WITH their values, in the same collective: an all-to-all of the (r, row_bytes)
-buffer sends chunk j, scales included, to rank j; an all-gather of one row per rank rebuilds an
-(r, row_bytes) buffer laid out exactly as quantize(..., num_chunks=r) lays it out. One collective
-per hop instead of two (the scales are 4 / B of the bytes: their own collective would be latency
-only). row_bytes is a multiple of 4, so every row's scales are 4-byte aligned. A row is
-self-describing given B: c and nb follow from row_bytes (chunk_from_row_bytes).
+so the scales travel WITH their values, in the same collective: an all-to-all of the buffer sends chunk j, scales
+included, to rank j; an all-gather of one row per rank rebuilds a buffer laid out exactly as quantize(...,
+num_chunks=r) lays it out. One collective per hop instead of two (the scales are 4 / B of the bytes: their own
+collective would be latency only). row_bytes is a multiple of 4, so every row's scales are 4-byte aligned, and a
+row is self-describing given B: c and nb follow from row_bytes (chunk_from_row_bytes).
 
+[Note: quantized block rule]
 Per block (x in fp32): absmax = max |x|; scale = absmax / 127 (fp32, rounded to nearest);
 q = round-half-even(clamp(x / scale, -127, 127)) as int8; dequantized value = float(q) * scale.
 Zero blocks (and blocks whose absmax / 127 underflows to 0, absmax < 127 * 2**-149) get scale 0 and

@@ -10,6 +10,7 @@ storage (a unit's full parameters) or a single tensor, rel is fixed and cached l
 crosses to the device per call. Otherwise (autograd's gradients, new every step) rel is copied per call
 from pinned memory, non_blocking: no host sync. `table_stats()` counts lookups, builds and those copies.
 
+[Note: copy-kernel tables]
 Copy kernels (pack.py / unpack.py): per tensor i a row of NCOLS int64 [numel, seg, offset, first_block,
 flags] (seg/offset: see _checks.Layout; flags: dtype tag in bits 0-1, ALIGNED in bit 2), followed by the
 block map: one entry per BLOCK-element block of every tensor's chunk, naming the tensor. The grid is

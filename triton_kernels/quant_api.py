@@ -7,9 +7,10 @@
     dist.all_gather_into_tensor(gathered, mine.wire, group=replicas)            # (r, row_bytes)
     lightning_mics_kernels.dequantize(gathered, grads, block_size, num_chunks=r)        # into any float dtypes
 
-Layout, scale rule, non-finite rule and error bound: [Note: quantized wire format] in
-_quant_layout.py. Both backends run the same checks and give bit-identical results (NaN payloads of
-the dequantized values and the residual aside, as in api.py). None of this is seen by autograd.
+Layout: [Note: quantized wire format] in _quant_layout.py; scale rule, non-finite rule and error
+bound: [Note: quantized block rule] in _quant_layout.py. Both backends run the same checks and give
+bit-identical results (NaN payloads of the dequantized values and the residual aside, as in api.py).
+None of this is seen by autograd.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ config group's options (``strategy=mics``, ``trainer=gpu``, ...) with the first 
 comment, then every key of every option with its default and its comment (a key's trailing comment and the comment
 lines that continue it, or the comment block just above it). A key without a comment takes its description from
 the group's default option (``trainer=gpu`` repeats ``cpu``'s keys) and, for the MiCS strategy, from the option's
-own field description (``lightning_mics.options.DESCRIPTIONS``). tests/test_app_first_use.py checks that every key
-of every option of the strategy, model, data and trainer groups appears with a description. Hydra's own parts of
-the template stay: ``$APP_CONFIG_GROUPS`` (the groups' choices); any other ``$`` in the text is escaped for
-``string.Template``.
+own field description (``lightning_mics.options.DESCRIPTIONS``), so every key of every option of the strategy,
+model, data and trainer groups has a description. Hydra's own parts of the template stay: ``$APP_CONFIG_GROUPS``
+(the groups' choices); any other ``$`` in the text is escaped for ``string.Template``.
 """
 
 from __future__ import annotations

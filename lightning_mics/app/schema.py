@@ -1,24 +1,17 @@
 """Hydra structured configs for the main job's config groups, and the checks their types cannot express.
 
 [Note: config schemas]
-Each group's YAML names a schema first in its defaults list (``- /trainer_schema@_here_``), so a typo in a key or
-a value of the wrong type fails while Hydra composes the config, naming the key and the type
-(``trainer.max_steps=abc``: "Value 'abc' of type 'str' could not be converted to Integer, full_key:
-trainer.max_steps"), before any rank starts. The schemas are stored at the top of Hydra's ConfigStore, not in
-the groups, so ``--help`` lists only real choices (``strategy: ddp, mics``).
-
-- ``mics_schema``: :class:`lightning_mics.MiCSConfig` itself (every strategy option), plus ``_target_``.
-- ``trainer_schema``, ``gpt_schema``, ``corpus_schema``: built from the signature of the class the group
-  instantiates (``lightning.pytorch.Trainer`` for the keys the trainer YAMLs set, ``LitGPT`` and
-  ``ByteCorpusDataModule`` whole), so the types are the classes' own annotations and cannot drift from them.
-  An annotation with one plain type (``int``, ``Optional[float]``, ``Sequence[float]``) becomes that type.
-  A union of several (``devices: Union[list[int], str, int]``) or a ``Literal`` (``precision``) has no
-  OmegaConf type: the field is ``Any`` and :func:`check_config` checks the value against the annotation
-  after composition (``trainer.precision=bf32`` names the allowed values). ``trainer.devices`` also gets a
-  value check, since any string passes its type (``devices=two``).
-
-Keys a schema does not hold can still be added with ``+`` (``+trainer.limit_val_batches=8``), unchecked, as
-Hydra does for any config.
+Each group's YAML names a schema first in its defaults list (``- /trainer_schema@_here_``), so a misspelled key
+or a value of the wrong type fails while Hydra composes the config, naming the key and the type, before any rank
+starts. The schemas are stored at the top of Hydra's ConfigStore, not in the groups, so ``--help`` lists only real
+choices (``strategy: ddp, mics``). ``mics_schema`` is :class:`lightning_mics.MiCSConfig` itself (every strategy
+option) plus ``_target_``; ``trainer_schema``, ``gpt_schema`` and ``corpus_schema`` are built from the signature of
+the class the group instantiates (``lightning.pytorch.Trainer`` for the keys the trainer YAMLs set, ``LitGPT`` and
+``ByteCorpusDataModule`` whole), so their types are the classes' own annotations and cannot drift from them. An
+annotation of one plain type (``int``, ``Optional[float]``, ``Sequence[float]``) becomes that type; a union of
+several (``devices``) or a ``Literal`` (``precision``) has no OmegaConf type, so the field is ``Any`` and
+:func:`check_config` checks the value against the annotation after composition, and ``trainer.devices``' value too
+(any string passes its type). Keys a schema does not hold can still be added with ``+``, unchecked, as in Hydra.
 """
 
 from __future__ import annotations

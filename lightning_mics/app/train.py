@@ -46,8 +46,7 @@ A process that exits with a gloo group alive can abort in the interpreter's fina
 [Note: groups at exit] in ``topology.py``). The MiCS strategy guards its own ranks; the app guards every rank of
 every strategy it runs, DDP included, because an abort there is fatal to the job: Lightning's launcher watches ranks
 1..n-1 from rank 0 and, when one exits with a non-zero status, kills every rank, rank 0 too. A job that trained to
-the end then fails, and under ``-m`` the next job's rank 1, already started, waits for a rank 0 that is gone (a
-fresh-clone CI run of the DDP-and-MiCS sweep hung that way after a DDP rank 1 printed "terminate called"). So
+the end then fails, and under ``-m`` the next job's rank 1, already started, waits for a rank 0 that is gone. So
 ``_run`` registers the release at exit on every rank, and rank 0 of a multirun job releases the job's groups before
 the next job.
 """

@@ -1,26 +1,19 @@
 """DTensors a checkpoint holds beside the model and optimizer state: what a save does with them, and a load.
 
 [Note: DTensors beside the model]
-Besides the module's and the optimizers' state, a checkpoint holds other entries: under the Trainer what
-``on_save_checkpoint`` hooks add to it, under Fabric the entries of ``fabric.save``'s dict that are neither modules
-nor optimizers. Rank 0 alone writes those (``meta.pt`` of a sharded checkpoint, or the full file). A DTensor among
-them, such as a hand-written average of the parameters kept as clones of them (an EMA swapped in for validation),
-holds on each rank that rank's shard only: written by rank 0 alone, every rank would read rank 0's rows back
-(Lightning's FSDP and ModelParallel strategies do that; here it failed at the next ``lerp_`` on a shard of
-another size, and would have been silent on even shards). Instead, at any depth in dicts, lists and tuples:
-
-- sharded format: every DTensor goes through DCP under ``KEY`` (each rank writes its shard, as the model's), and the
-  entry keeps a placeholder naming it with its global shape, dtype, placements and mesh axes. A load reads each into
-  a new DTensor of those placements on the live mesh's axes of the same names, resharded by DCP when the layout
-  changed, and puts it back where it was. ``consolidate`` puts back the full tensors;
-- full format: every DTensor is gathered (``full_tensor``, on every rank in the same order) and the file holds the
-  full tensor, as one plain process's file would. The Trainer's marker lists where they were, with their
-  placements and mesh axes, and a load slices each back into a DTensor of those placements (no collective: every
-  rank reads the whole file); ``fabric.load`` does the same where the live state handed to it holds a DTensor of
-  that shape (its full files carry no marker: they are a plain process's).
-
-Placements must be ``Shard``, ``Replicate`` or ``_StridedShard``; a ``Partial`` DTensor is refused with a
-``ValueError`` naming the entry, on every rank alike before any collective (every rank walks the same structure).
+Besides the module's and the optimizers' state a checkpoint holds other entries (what ``on_save_checkpoint`` hooks
+add, or ``fabric.save``'s entries that are neither modules nor optimizers), which rank 0 alone writes (``meta.pt``,
+or the full file). A DTensor among them (an average kept as clones of the parameters) holds each rank's own shard:
+written by rank 0 alone, every rank would read rank 0's rows back, as under Lightning's FSDP and ModelParallel
+strategies (silently wrong on even shards). So, at any depth in dicts, lists and tuples: in the sharded format each
+DTensor goes through DCP under ``KEY`` (each rank writes its shard), leaving a placeholder of its global shape,
+dtype, placements and mesh axes, and a load reads it into a DTensor of those placements on the live mesh's axes of
+the same names (resharded by DCP if the layout changed; ``consolidate`` puts back the full tensor). In the full
+format each DTensor is gathered (``full_tensor``, every rank in the same order) and a load slices it back into a
+DTensor of its placements: from the Trainer's marker (where each was, its placements and mesh axes) or, under
+``fabric.load`` (no marker), where the live state holds a DTensor of that shape; no collective, every rank reads the
+whole file. Placements must be ``Shard``, ``Replicate`` or ``_StridedShard``; a ``Partial`` DTensor is refused with
+a ``ValueError`` naming the entry, on every rank alike before any collective (every rank walks the same structure).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_mics.comm import quantized as Q
+from lightning_mics.comm import quantized
 from lightning_mics.checkpoint.files import set_element
 from lightning_mics.engine.engine import MiCSEngine
 
@@ -109,10 +109,10 @@ def _targets(index: Metadata, key: str, engine: Optional[MiCSEngine], saved: Opt
 
 
 def _restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:
-    by_unit: Dict[int, Dict[Tuple[int, ...], Q.Residual]] = defaultdict(dict)
+    by_unit: Dict[int, Dict[Tuple[int, ...], quantized.Residual]] = defaultdict(dict)
     for name, parts in (item for mine in loaded.values() for item in mine.items()):
         unit, slots = name[1:].split("_", 1)
-        by_unit[int(unit)][tuple(int(i) for i in slots.split("-"))] = Q.Residual(parts["contribution"],
+        by_unit[int(unit)][tuple(int(i) for i in slots.split("-"))] = quantized.Residual(parts["contribution"],
                                                                                  parts["reduced"])
     for i, g in enumerate(engine.grads.all):  # every size checked before any is taken
         for slots, res in by_unit.get(i, {}).items():

@@ -88,7 +88,7 @@ def temporary(path: Path, token: str) -> Path:
     return path.parent / f".{path.name}.tmp-{token}"
 
 
-def _aside(path: Path, token: str) -> Path:
+def _moved_aside_name(path: Path, token: str) -> Path:
     return path.parent / f".{path.name}.old-{token}"
 
 
@@ -160,7 +160,7 @@ def publish(tmp: Path, path: Path, token: str) -> None:
     elif path.is_file() and tmp.is_file():
         os.replace(tmp, path)  # atomic for files everywhere
     else:
-        old = _aside(path, token)
+        old = _moved_aside_name(path, token)
         os.rename(path, old)
         os.rename(tmp, path)
         _remove(old)

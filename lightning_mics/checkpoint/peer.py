@@ -81,7 +81,7 @@ def _load_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, saved:
 def load_local_state(engine: MiCSEngine, optimizers: Sequence[torch.optim.Optimizer], state: Dict[str, Any]) -> None:
     """Takes a peer's ``local_state`` as this rank's ([Note: a peer's state]). Local: no collective."""
     _check(engine, state, len(optimizers))
-    engine.quiesce()  # every unit released: a gathered one would go on with (and take back) the old values
+    engine.release_idle()  # every unit released: a gathered one would go on with (and take back) the old values
     for unit, shard in zip(engine.units, state["units"]):
         unit.shard_flat.copy_(shard)
     for rp, value in zip(engine.replicated, state["replicated"]):

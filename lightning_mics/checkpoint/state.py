@@ -38,7 +38,7 @@ from lightning_mics.checkpoint import files as files
 from lightning_mics.checkpoint.files import CheckpointError, set_element
 from lightning_mics.layout.placement import as_dtensor, is_sharded, local
 from lightning_mics.engine.engine import MiCSEngine
-from lightning_mics.engine.full_state import Scratch, gather_rows
+from lightning_mics.engine.full_state import ReusedBuffers, gather_rows
 
 
 def _slots(engine: MiCSEngine) -> Dict[int, Any]:
@@ -57,7 +57,7 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
     unit by unit and key by key, so no rank holds more than one unit's worth of one state key beyond its shards;
     returns {} on ranks other than ``dst``.
     """
-    engine.quiesce(pinned=False)  # the rows settled; a pinned unit stays (the state is the optimizer's own)
+    engine.release_idle(pinned=False)  # the rows settled; a pinned unit stays (the state is the optimizer's own)
     rank = dist.get_rank()
     keep = dst is None or rank == dst
     tp = engine.topo.layout.tp_size > 1
@@ -71,7 +71,7 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
     slots = _slots(engine)
     out: Dict[int, Dict[str, Any]] = defaultdict(dict)
     done = set()  # (index, state key) gathered with the units
-    scratch = Scratch(engine.units)
+    buffers = ReusedBuffers(engine.units)
     if takes_part:
         for unit in engine.units:
             # (state key, dtype) -> one gather of every sharded parameter of the unit that has it
@@ -86,7 +86,7 @@ def full_optimizer_state(engine: MiCSEngine, optimizer: torch.optim.Optimizer,
                     locals_ = unit.optimizer_rows.chunks(locals_, dtype, unit.device)
                 if not in_group:
                     continue
-                fulls = gather_rows(unit, locals_, dtype, None if tp else dst, scratch)
+                fulls = gather_rows(unit, locals_, dtype, None if tp else dst, buffers)
                 for sp, f in zip(unit.params, fulls or ()):
                     if f is None:
                         continue
@@ -170,13 +170,13 @@ def model_state(module: nn.Module, engine: Optional[MiCSEngine] = None, settle: 
     exchanged first (collective); not once a load has written the chunks."""
     sd = get_model_state_dict(module)
     if engine is not None:
-        if settle:  # [Note: writes between steps] in lent.py, [Note: rows between steps] in optimizer_rows.py
+        if settle:  # [Note: writes between steps] in user_code/write_back.py, [Note: rows between steps] in optimizer_rows.py
             engine.settle_masters()
-        # the chunks as saved without optimizer rows over replicas (``held``), so checkpoints do not depend on it
-        held = {id(q): p.held for u in engine.units for p in u.all_params() for q in (p.full, p.sharded)}
+        # the chunks as saved without optimizer rows over replicas (``checkpoint_view``): checkpoints do not depend on it
+        views = {id(q): p.checkpoint_view for u in engine.units for p in u.all_params() for q in (p.full, p.sharded)}
         for name, t in module.state_dict(keep_vars=True).items():
-            if id(t) in held:
-                sd[name] = held[id(t)].detach()
+            if id(t) in views:
+                sd[name] = views[id(t)].detach()
     return sd
 
 
@@ -279,10 +279,10 @@ def _model_target(path: Path, index: Metadata, key: str, module: nn.Module, stri
                   engine: Optional[MiCSEngine]) -> Dict[str, Any]:
     """The module's own state (its shards, read in place) for the entries saved under ``key``. Every unit is
     released first (collective): a unit kept gathered (ZeRO-1's pinned one) would go on computing with, and later
-    take back, parameters from before the load ([Note: writes between steps] in lent.py)."""
+    take back, parameters from before the load ([Note: writes between steps] in user_code/write_back.py)."""
     saved = {where[0]: md for where, md in _saved(index, key)}
     if engine is not None:
-        engine.quiesce()  # the rows settled too: the target needs no second exchange
+        engine.release_idle()  # the rows settled too: the target needs no second exchange
     target = model_state(module, engine, settle=False)
     files.check_against_module(path, key, saved, target, strict)
     return {k: v for k, v in target.items() if k in saved}

@@ -36,7 +36,7 @@ def broadcast(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def alike(obj: Any) -> bool:
+def same_on_every_rank(obj: Any) -> bool:
     """Whether every rank holds an equal ``obj`` (a short, picklable value). Collective."""
     if not _distributed_is_initialized() or dist.get_world_size() == 1:
         return True

@@ -19,17 +19,17 @@ receives only S elements per other node across the slow link, where the flat gat
 for n = 2 exactly half. The result arrives as (p, n, S), row (l, a); one copy puts it in rank-major (n, p, S)
 order, bit-identical to the flat gather. The other order (intra first, then inter) lands directly in
 rank-major order with no copy, but then every rank carries p S per other node across nodes, more than the
-flat gather. Measured in benchmarks/schedule.py (benchmarks/LOG.md); inter first is the default (``HOP_ORDER``)
-because the cross-node bytes are what the two hops exist to save; on one host (loopback, no slow link) the
-copy makes it a little slower than intra first. With one rank per node (p = 1) it is one hop over the shard group.
+flat gather. Inter first is the default (``HOP_ORDER``) because the cross-node bytes are what the two hops exist
+to save; on one host (loopback, no slow link) the copy makes it a little slower than intra first. With one rank
+per node (p = 1) it is one hop over the shard group.
 
 [Note: streams and buffer lifetime]
 Every collective runs on its backend's own stream (NCCL's internal ones: ``async_op=True``), issued from the compute
 stream, which also runs the copies in and out (cast, ``chunk_cat``, ``copy_out``, (de)quantization); ``wait()`` makes
 the compute stream wait for it (on NCCL without blocking the host). A side stream per group (``side_stream``) carries
 only the middle of a ``Chain``. FSDP2's alternative (copy-in, all-gather, reduce-scatter and all-reduce streams whose
-buffers are freed after recorded events) takes the copies off the compute stream; which is faster is pending a GPU
-(benchmarks/gpu_ready.py will measure both). The allocator-safety rule, on every backend: a tensor an async collective
+buffers are freed after recorded events) takes the copies off the compute stream; which is faster is not yet
+measured. The allocator-safety rule, on every backend: a tensor an async collective
 reads or writes is allocated on the compute stream before it is issued and stays referenced by the Work's holder
 (``FinishAfter``, ``Chain``, a unit's ``FullStorage`` readers) until its ``wait()`` ran on the compute stream; until
 then no buffer is read (output), written (input), reused, freed or resized (``resize_(0)`` frees whatever holds it).
@@ -340,7 +340,7 @@ def reduce_scatter_grads(
 # [Note: reduce-scatter on gloo]
 # gloo's reduce-scatter (``reduce_scatter_single`` and the list form) is an all-reduce of the whole buffer with
 # each rank keeping its part: every rank sends the buffer's size, twice what a ring reduce-scatter sends
-# ((k-1)/k of it), as measured on loopback for 2 ranks (2.0x vs an all-to-all's 1.0x of the buffer in all).
+# ((k-1)/k of it).
 # Where the bytes cost (the replica hop over a slow link) the reduce-scatter is an all-to-all of the rank-major
 # rows and a local sum of the k received rows (``FinishAfter``): the ring's bytes. NCCL's reduce-scatter moves
 # those already and is used as it is.

@@ -2,8 +2,8 @@
 
 Beside ``collectives.py`` and shaped like it: plain functions that take the tensors and the group and return
 NamedTuples. The int8 wire format, the scale rule, the non-finite rule and the per-block error bound are those of
-``triton_kernels`` ([Note: quantized wire format] in triton_kernels/_quant_layout.py); the kernels run in Triton
-on CUDA and in their bit-identical torch fallback elsewhere.
+``triton_kernels`` ([Note: quantized wire format] and [Note: quantized block rule] in triton_kernels/_quant_layout.py);
+the kernels run in Triton on CUDA and in their bit-identical torch fallback elsewhere.
 
 [Note: quantized all-reduce]
 A sum over the r ranks of ``group`` of a flat of n elements, never summed in int8 (ZeRO++'s qgZ, one hop):
@@ -13,13 +13,12 @@ A sum over the r ranks of ``group`` of a flat of n elements, never summed in int
   3. rank j dequantizes the r copies of its chunk and sums them in fp32 (``dequantize_sum``, fixed row order);
   4. rank j requantizes its reduced chunk (one row) and all-gathers it: every rank receives the same r rows;
   5. every rank dequantizes those rows into the flat (any float dtype), so all replicas hold identical values.
-Per rank the wire carries 2 (r-1)/r x r * row_bytes ~ 2 (r-1)/r x n (1 + 4/B) bytes, where a ring all-reduce of
-fp32 carries 2 (r-1)/r x 4 n: the ratio is (1 + 4/B) / 4 (0.2505 at B = 2048) up to the chunk padding.
-Error per element of block b (A_i,b = the block's absmax in rank i's contribution): each rank's rounding is at
-most A_i,b / 254, the reduced chunk's requantization at most (its absmax) / 254 <= sum_i A_i,b / 254, so
-|out - sum_i x_i| <= 2 sum_i A_i,b / 254 plus fp32 rounding (a few ulps of sum_i A_i,b).
-A non-finite value makes its block's scale NaN, so that whole block is NaN in the sum on every rank (never a
-finite value). Gloo and NCCL both run ``all_to_all_single`` (checked on gloo, async included).
+Per rank the wire carries ~2 (r-1)/r x n (1 + 4/B) bytes, the fp32 ring all-reduce's 2 (r-1)/r x 4 n times
+(1 + 4/B) / 4 (0.2505 at B = 2048), up to the chunk padding. Per element of block b (A_i,b: the block's absmax in
+rank i's contribution) each rounding is at most A_i,b / 254 and the requantization at most sum_i A_i,b / 254, so
+|out - sum_i x_i| <= 2 sum_i A_i,b / 254 plus fp32 rounding (a few ulps of sum_i A_i,b). A non-finite value makes
+its block's scale NaN: that whole block is NaN in the sum on every rank, never finite. Gloo and NCCL both run
+``all_to_all_single``.
 
 [Note: error feedback]
 With ``residual`` (``feedback_buffers``), each quantization adds its previous rounding error before rounding and

@@ -1,32 +1,25 @@
 """Grouped activation checkpointing, and CPU offload of the activations kept at checkpoint boundaries.
 
 [Note: grouped checkpointing]
-``activation_checkpointing`` names module classes; their instances that are consecutive siblings (children of
-one module, a ModuleList's blocks) form groups of ``checkpoint_group_size``. A group is one segment of torch's
-non-reentrant checkpoint, entered in the pre-forward hook of its first module and left in the post-forward
-hook of its last: the user's own loop over the blocks runs unchanged, nothing inside the segment is kept for
-backward but the segment's inputs, and in backward the segment is replayed block by block (each block called
-through its module, so a block that is a unit finds itself gathered: its pre-forward hook gathers it when
-autograd replays it, and its post-backward releases it). The replay feeds each block the previous block's
-output and the other arguments it got in forward, so a group must be a sequential stack; that is checked in
-forward (a block whose first input is not the previous block's output is refused with a clear error), and
-torch's own check refuses a replay that saves different tensors. Grouping k blocks keeps one input per k
-blocks instead of one per block (the seed: "grouping two or more layers together for checkpointing is more
-memory efficient"), at the price of k blocks' gathered parameters alive while the group is replayed.
+``activation_checkpointing`` names module classes; their instances that are consecutive siblings (children of one
+module, a ModuleList's blocks) form groups of ``checkpoint_group_size``. A group is one segment of torch's
+non-reentrant checkpoint, entered in its first module's pre-forward hook and left in its last's post-forward hook:
+the user's loop over the blocks runs unchanged, and only the segment's inputs are kept for backward. The replay
+calls each block through its module (a block that is a unit is gathered by its pre-forward hook and released by
+its post-backward) and feeds it the previous block's output and the other arguments it got in forward, so a group
+must be a sequential stack: a block whose first input is not the previous block's output is refused in forward,
+and torch refuses a replay that saves different tensors. A group of k blocks keeps one input instead of k, at the
+price of k blocks' gathered parameters alive while it replays.
 
 [Note: activation offload]
-With ``activation_offload``, the checkpoint keeps a host copy of each segment's inputs instead of the inputs (on CUDA:
-pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay moves them back. A
-hook on the group's output starts that copy back on the side stream when the output's gradient is ready, which is when
-the blocks after the group have finished their backward, just before the replay needs it. The host copies are held by
-that hook and the replay alone, not by the segment, so they go with the graph after backward instead of staying (pinned)
-through the optimizer step, validation and saves until the next forward. On one H200 (GPT-2 124M, bf16-mixed, groups of
-2; benchmarks/LOG.md, "the CUDA paths the CPU suite cannot take") each group's copy takes 0.46 ms each way (25 MB),
-2.8 ms per step per direction. At 8 sequences that step is bound by the host, and its time moves more from process to
-process (grouping alone 76-114 ms) than offload moves it; starting each copy back one group earlier, and copying on the
-compute stream instead of a side stream, were tried there and neither stood out of that spread, so neither is done. At
-32 sequences the GPU sets the step, and offload cost 0.8% of it (median of three rounds, inside their spread). On CPU
-the host copy is a plain copy: the same code path, no memory saved (the device is the host).
+With ``activation_offload`` the checkpoint keeps a host copy of each segment's inputs instead of the inputs (on
+CUDA: pinned memory, copied on a side stream, the device tensor freed once the copy is done); the replay moves them
+back. A hook on the group's output starts that copy back on the side stream when the output's gradient is ready,
+which is when the blocks after the group have finished their backward: just before the replay needs it. The host
+copies are held by that hook and the replay alone, not by the segment, so they go with the graph after backward
+instead of staying pinned through the optimizer step, validation and saves until the next forward. The cost is one
+copy each way per group and step (about 0.5 ms for 25 MB on an H200), under 1% of a step whose time the GPU
+sets. On CPU the host copy is a plain copy: the same code path, no memory saved.
 
 [Note: offload streams]
 A tensor used on the side stream is allocated on the stream that frees it, or ``record_stream``ed to the side stream:

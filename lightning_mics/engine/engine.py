@@ -3,35 +3,34 @@
 It builds the parts and wires them; each holds one concept (ARCHITECTURE.md gives the data flow):
 ``unit.py`` (one unit's memory and state machine), ``schedule.py`` (which units are gathered, kept, released),
 ``gradients.py`` (a gradient's path to the optimizer's shard), ``hooks.py`` (the module and autograd hooks
-that drive them, [Note: one optimizer step]), ``full_state.py`` (full tensors from the shards and back).
+that drive them, [Note: one optimizer step]), ``full_state.py`` (full tensors from the shards and back), and
+``user_code/`` (what user code between steps needs reconciled: [Note: the user-code boundary] in user_code/boundary.py).
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 from torch import Tensor
 
 from lightning_mics.engine import full_state
-from lightning_mics.comm import quantized as Q
+from lightning_mics.comm import quantized
 from lightning_mics.engine.activations import ActivationCheckpointing, plan_groups
 from lightning_mics.options import MiCSOptions, optimizer_state_only as zero1
 from lightning_mics.engine.hooks import Hooks
 from lightning_mics.layout.materialize import has_meta, materialize
-from lightning_mics.engine.optimizer_hooks import MethodHook, StepWatch, held_optimizers
 from lightning_mics.layout.placement import ReplicatedParam, local
 from lightning_mics.engine.replicated import ReplicatedReducer
 from lightning_mics.engine.gradients import GradientPath
 from lightning_mics.engine.schedule import Schedule
-from lightning_mics.engine.shown_grads import ShownGrads
 from lightning_mics.layout.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.comm.telemetry import CommLog
 from lightning_mics.layout.topology import Topology
 from lightning_mics.engine.unit import Unit
+from lightning_mics.engine.user_code.boundary import UserCodeBoundary
 
 
 class MiCSEngine:
@@ -60,12 +59,12 @@ class MiCSEngine:
         plan = plan_sharding(root, classes, persistence_threshold, topo.layout.shard_size)
         on_meta = has_meta(root)  # before the units replace the parameters with their (allocated) shards
         nodes = topo.node_groups() if hierarchical else None
-        quantize = Q.QuantizeSpec(options.quantize_gradients, options.quantize_allgather,
+        quantize = quantized.QuantizeSpec(options.quantize_gradients, options.quantize_allgather,
                                   options.quantization_block_size)  # [Note: quantized traffic] in options.py
         self.units = [Unit(up, topo, param_dtype=param_dtype, reduce_dtype=reduce_dtype, kernels=kernels,
                            log=self.log, device=device, nodes=nodes, pinned=optimizer_state_only, quantize=quantize,
-                           optimizer_over_replicas=over_replicas, lends=i == 0)  # the root lends:
-                      for i, up in enumerate(plan.units)]  # [Note: masters moved outside a step] in lent.py
+                           optimizer_over_replicas=over_replicas)
+                      for up in plan.units]
         self.device = device
         by_param = {id(rp.full): rp for rp in self.replicated}
         order = [by_param[id(p)] for p in self._plain_parameters() if id(p) in by_param]
@@ -82,14 +81,11 @@ class MiCSEngine:
         self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
                                  reshard_after_forward)
         self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize)
-        # [Note: gradients on the plain parameters] in shown_grads.py
-        self.shown = [ShownGrads(u) for u in self.units if u.params and (u.pinned or u is self.units[0])]
+        self.user_code = UserCodeBoundary(self.units, self.schedule)  # [Note: the user-code boundary]
         self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
-                           self.schedule, self.grads, self.shown, owner=self)  # the module keeps its engine
+                           self.schedule, self.grads, self.user_code, owner=self)  # the module keeps its engine
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
         self.activations = ActivationCheckpointing(groups, activation_offload, self.log) if groups else None
-        self._closure_step = self._evaluated = False  # [Note: evaluations inside a step] in schedule.py
-        self._steps = StepWatch(self.before_optimizer_step, self.after_optimizer_step)  # ``watch_steps``
 
     def _entry_modules(self, unit: Unit, plan: UnitPlan) -> List[nn.Module]:
         """Where a unit is entered: its module; for the root also every module holding a root parameter,
@@ -142,11 +138,11 @@ class MiCSEngine:
         self.grads.sync_replicas = value
 
     # -- entry points -----------------------------------------------------------------------------------
-    def quiesce(self, pinned: bool = True) -> None:
-        """[``Schedule.quiesce``]: every unit not running released (``pinned``: pinned ones too), the optimizer's
+    def release_idle(self, pinned: bool = True) -> None:
+        """[``Schedule.release_idle``]: every unit not running released (``pinned``: pinned ones too), the optimizer's
         rows settled first (collective)."""
         self.schedule.exchange_rows()
-        self.schedule.quiesce(pinned)
+        self.schedule.release_idle(pinned)
 
     def pin(self) -> None:
         """The pinned units gathered now if released ([Note: optimizer-state-only sharding] in gradients.py): at
@@ -157,85 +153,14 @@ class MiCSEngine:
                 unit.finish_gather()
 
     def settle_masters(self) -> None:
-        """Every unit's masters as the module holds them ([Note: writes between steps] in lent.py) and its chunks
-        as the replicas agree on them ([Note: rows between steps] in optimizer_rows.py): before they are saved.
-        Collective over the replica group."""
-        self.refuse_rebinding()
-        self.schedule.take_writes()
+        """Every unit's masters as the module holds them ([Note: writes between steps] in user_code/write_back.py) and
+        its chunks as the replicas agree on them ([Note: rows between steps] in optimizer_rows.py): before they are
+        saved. Collective over the replica group."""
+        self.user_code.refuse_rebinding()
+        self.user_code.masters_read()
         self.schedule.exchange_rows()
         for unit in self.units:
             unit.settle_rows()
-
-    def watch_steps(self, optimizer: torch.optim.Optimizer) -> List[MethodHook]:
-        """The engine hears of the steps of ``optimizer`` and of the optimizers it holds, and of their ``zero_grad``
-        ([Note: steps the engine hears of] in optimizer_hooks.py). ``.remove()`` the returned hooks when the run
-        ends."""
-        return [hook for opt in held_optimizers(optimizer)
-                for hook in (self._steps.watch(opt), self.follow_zero_grad(opt))]
-
-    def before_optimizer_step(self) -> None:
-        """Pre-step hook of every optimizer: what user code wrote, into the masters ([``Schedule.take_writes``]);
-        in a step that evaluates a closure, after each evaluation instead ([Note: evaluations inside a step])."""
-        self.refuse_rebinding()
-        if not self._closure_step:
-            self._take_user_writes()
-
-    def refuse_rebinding(self) -> None:
-        """ValueError if user code ran ``p.data = x`` on a DTensor parameter: torch ignores it there (as under FSDP2),
-        and the run would go on from values the user meant to replace (SAM's reference code puts its weights back
-        so). Checked when the masters are read: around every step, before a save."""
-        for p in (p for u in self.units for p in u.all_params()):
-            if p.rebound():
-                raise ValueError(
-                    f"MiCSStrategy: `p.data = x` on the parameter {p.fqn!r}, a DTensor the optimizer steps, did "
-                    "nothing: torch leaves a DTensor's local tensor as it was (pytorch/pytorch#157391), as under "
-                    "FSDP2. Write in place instead: `p.copy_(x)` under torch.no_grad(), or `p.data.copy_(x)`.")
-
-    @contextmanager
-    def closure_step(self) -> Iterator[None]:
-        """An optimizer step whose closure's evaluations are bracketed by ``evaluating`` and ``evaluated``
-        ([Note: evaluations inside a step] in schedule.py)."""
-        self._closure_step, self._evaluated = True, False
-        try:
-            yield
-        finally:
-            self._closure_step = self._evaluated = False
-
-    def evaluating(self) -> None:
-        """An evaluation of the step's closure begins: after the first, the optimizer may have moved the masters."""
-        if self._evaluated:
-            self.schedule.after_optimizer_step()
-
-    def evaluated(self) -> None:
-        """An evaluation of the step's closure ended (with the hooks that follow it): its writes, into the masters."""
-        self._take_user_writes()
-        self._evaluated = True
-
-    def follow_zero_grad(self, optimizer: torch.optim.Optimizer) -> MethodHook:
-        """The shown gradients follow ``optimizer.zero_grad()`` ([Note: gradients on the plain parameters] in
-        shown_grads.py); ``.remove()`` the returned handle when the run ends."""
-        return MethodHook(optimizer, "zero_grad", after=lambda: [shown.follow() for shown in self.shown])
-
-    def _take_user_writes(self) -> None:
-        """What user code wrote to the plain parameters and to the gradients they show, into the masters and the
-        optimizer's gradients ([Note: gradients on the plain parameters] in shown_grads.py)."""
-        self.schedule.take_writes()
-        for shown in self.shown:
-            shown.take()
-
-    def evaluations(self, closure: Callable[[], Any]) -> Callable[[], Any]:
-        """``closure`` bracketed by ``evaluating`` and ``evaluated``, for a step inside ``closure_step``."""
-        def evaluate() -> Any:
-            self.evaluating()
-            out = closure()
-            self.evaluated()
-            return out
-        return evaluate
-
-    def after_optimizer_step(self) -> None:
-        """Post-step hook of every optimizer ([``Schedule.after_optimizer_step``])."""
-        self.refuse_rebinding()
-        self.schedule.after_optimizer_step()
 
     def sync(self) -> None:
         """MiCS 2-hop sync at an accumulation boundary ([``GradientPath.sync``])."""
@@ -244,15 +169,15 @@ class MiCSEngine:
     def full_state_dict(self, dst: Optional[int] = 0) -> Dict[str, Tensor]:
         """The module's full state dict on global rank ``dst`` ({} elsewhere; ``None``: every rank). Collective.
         Read from the masters, a pinned unit stays gathered: what user code wrote is taken first, then the rows
-        settle (quiesce's exchange) and the units not running are released."""
-        self.schedule.take_writes()
-        self.quiesce(pinned=False)
+        settle (``release_idle``'s exchange) and the units not running are released."""
+        self.user_code.masters_read()
+        self.release_idle(pinned=False)
         return full_state.full_state_dict(self.units, self.topo, self.root, dst)
 
     def load_full_state_dict(self, state: Dict[str, Tensor], strict: bool = True) -> None:
         # released (a unit kept gathered would go on with, and take back, what the load replaces), and what the load
         # leaves alone agrees across the replicas before all of it is taken so
-        self.quiesce()
+        self.release_idle()
         full_state.load_full_state_dict(self.units, self.root, state, self.device, strict)
 
     def restore_module(self) -> Dict[int, nn.Parameter]:
@@ -274,7 +199,7 @@ class MiCSEngine:
         ([Note: rows when a run ends] in optimizer_rows.py; 0: what has arrived is taken)."""
         self.grads.reset(keep_feedback)
         self.hooks.reset()
-        self._steps.running = 0
+        self.user_code.reset()
         rows_deadline = time.monotonic() + rows_wait_s
         for unit in self.units:
             unit.drop(rows_deadline)
@@ -302,7 +227,8 @@ class MiCSEngine:
         params += sum(nbytes(t) for u in self.units if u.optimizer_rows is not None
                       for t in u.optimizer_rows.buffers())  # [Note: rows between steps] in optimizer_rows.py
         params += sum(nbytes(u.full_flat) for u in self.units if u.pinned)  # whole on every rank, kept
-        params += sum(nbytes(u.lent.base) for u in self.units if u.pinned)  # [Note: masters moved outside a step]
+        params += sum(nbytes(self.user_code.write_back_of(u).snapshot) for u in self.units
+                      if u.pinned and u.params)  # [Note: masters moved outside a step] in user_code/write_back.py
         grads = 0
         for u in self.units:
             grads += nbytes(self.grads.of(u).accum)

@@ -15,13 +15,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-from lightning_mics.comm import collectives as C
+from lightning_mics.comm import collectives
 from lightning_mics.layout.placement import as_dtensor, local
 from lightning_mics.layout.topology import Topology
 from lightning_mics.engine.unit import AnyParam, Unit
 
 
-class Scratch:
+class ReusedBuffers:
     """One reusable 1-D buffer per dtype and purpose (``key``: "send" or "recv"), grown to the largest request.
 
     ``units``: size the buffers for the largest of them at the first request, so a loop over the units never
@@ -43,43 +43,43 @@ class Scratch:
 
 
 def gather_rows(unit: Unit, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, dst: Optional[int],
-                scratch: Optional[Scratch] = None) -> Optional[List[Optional[Tensor]]]:
+                buffers: Optional[ReusedBuffers] = None) -> Optional[List[Optional[Tensor]]]:
     """Full tensors of ``unit``'s sharded parameters from per-parameter local rows, the shard group's chunks
     (``None``: no such tensor for that parameter).
 
     Collective over the shard group. ``dst`` = a global rank: only it gets the result (the others hold
     nothing more than their shard); ``dst=None``: every rank gets it. One unit's worth of memory at most;
-    ``scratch`` lends the send and receive buffers, so a loop over units and state keys reuses them (and no
+    ``buffers`` lends the send and receive buffers, so a loop over units and state keys reuses them (and no
     receive buffer waits for gloo's thread to drop its Work before the next one is allocated).
     """
-    scratch = scratch or Scratch()
+    buffers = buffers or ReusedBuffers()
     unit.settle_rows()  # [Note: rows between steps] in optimizer_rows.py
     if all(t is sp.local for sp, t in zip(unit.params, locals_)) and dtype == unit.dtype:
         flat = unit.shard_flat  # the master shard itself is the send buffer (padding rows are zero)
     else:
-        flat = scratch.get(unit.shard_flat.numel(), dtype, unit.device)
+        flat = buffers.get(unit.shard_flat.numel(), dtype, unit.device)
         flat.zero_()
         for sp, t in zip(unit.params, locals_):
             if t is not None:
                 flat[sp.offset:sp.offset + t.numel()].copy_(t.reshape(-1))
     n = unit.s * unit.shard_flat.numel()
     if dst is None:
-        out = C.all_gather_flat(flat, unit.topo.shard_group, unit.s,
-                                out=scratch.get(n, dtype, unit.device, "recv")).output \
+        out = collectives.all_gather_flat(flat, unit.topo.shard_group, unit.s,
+                                out=buffers.get(n, dtype, unit.device, "recv")).output \
             if unit.s > 1 else flat.view(1, -1)
     else:
-        recv = scratch.get(n, dtype, unit.device, "recv") if dist.get_rank() == dst else None
-        out = C.gather_flat(flat, unit.topo.shard_group, unit.s, dst, out=recv)
+        recv = buffers.get(n, dtype, unit.device, "recv") if dist.get_rank() == dst else None
+        out = collectives.gather_flat(flat, unit.topo.shard_group, unit.s, dst, out=recv)
         if out is None:
             return None
     fulls = [torch.empty(sp.shape, dtype=dtype, device=unit.device) for sp in unit.params]
-    C.copy_out(out, fulls, unit.s, "torch")
+    collectives.copy_out(out, fulls, unit.s, "torch")
     return [f if t is not None else None for f, t in zip(fulls, locals_)]
 
 
-def gather_master(unit: Unit, dst: Optional[int], scratch: Optional[Scratch] = None) -> Optional[List[Tensor]]:
+def gather_master(unit: Unit, dst: Optional[int], buffers: Optional[ReusedBuffers] = None) -> Optional[List[Tensor]]:
     """The full parameters in the master dtype (never through param_dtype): bit-exact with the shards."""
-    return gather_rows(unit, [sp.local for sp in unit.params], unit.dtype, dst, scratch)
+    return gather_rows(unit, [sp.local for sp in unit.params], unit.dtype, dst, buffers)
 
 
 def by_id(units: Sequence[Unit]) -> Dict[int, AnyParam]:
@@ -100,11 +100,11 @@ def full_state_dict(units: Sequence[Unit], topo: Topology, root: nn.Module,
     keep = dst is None or rank == dst
     tp = topo.layout.tp_size > 1  # every rank takes part: tensor-parallel parts are gathered too
     full: Dict[int, Tensor] = {}
-    scratch = Scratch(units)
+    buffers = ReusedBuffers(units)
     for unit in units:
         if not tp and dst is not None and rank not in topo.layout.shard_group_of(dst):
             continue  # only dst's shard group takes part
-        values = gather_master(unit, None if tp else dst, scratch) if unit.params else []
+        values = gather_master(unit, None if tp else dst, buffers) if unit.params else []
         if values is not None:
             for sp, v in zip(unit.params, values):
                 v = as_dtensor(v, sp.tp_spec).full_tensor() if sp.tp_spec is not None else v
@@ -183,10 +183,10 @@ def restore_module(units: Sequence[Unit]) -> Dict[int, nn.Parameter]:
     """Puts full, plain parameters (master dtype) back into the modules, unit by unit (the hooks already
     removed). Collective. Returns ``{id(DTensor parameter): plain parameter}``."""
     mapping: Dict[int, nn.Parameter] = {}
-    scratch = Scratch(units)
+    buffers = ReusedBuffers(units)
     for unit in units:
         unit.release(force=True)  # teardown: whatever the schedule kept or pinned goes
-        values = gather_master(unit, None, scratch) if unit.params else []
+        values = gather_master(unit, None, buffers) if unit.params else []
         for sp, v in zip(unit.params, values):
             p = nn.Parameter(v, requires_grad=sp.requires_grad)
             mapping[id(sp.sharded)] = p

@@ -21,7 +21,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor
 
-from lightning_mics.comm import collectives as C
+from lightning_mics.comm import collectives
 from lightning_mics.comm.telemetry import CommLog
 
 
@@ -54,7 +54,7 @@ class FullStorage:
 
     def settle(self, log: Optional[CommLog]) -> None:
         for work in self._readers:
-            C.wait(work, log)
+            collectives.wait(work, log)
         self._readers.clear()
 
     def release(self) -> None:

@@ -10,7 +10,7 @@ micro-batches of a window (moved into reduce_dtype accumulators at the end of ea
 so bf16 gradients are summed in fp32 as the per-micro-batch reduce-scatter sums them otherwise); at the boundary they
 are reduce-scattered once over the W ranks, each rank's optimizer steps its 1/W rows (the DTensor shards, with 1/W of
 the optimizer state), and the post-step hook's refresh is the one all-gather that makes the parameters whole again. A
-save or a state dict keeps it pinned and takes what user code wrote first ([Note: writes between steps] in lent.py); a
+save or a state dict keeps it pinned and takes what user code wrote first ([Note: writes between steps] in user_code/write_back.py); a
 load releases it and the front end gathers it again from the loaded masters; only the end of a run unpins it.
 """
 
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mics.comm import collectives as C
-from lightning_mics.comm import quantized as Q
+from lightning_mics.comm import collectives
+from lightning_mics.comm import quantized
 from lightning_mics.layout.placement import ReplicatedParam, local, local_grad
 from lightning_mics.engine.replicated import ReplicatedReducer
 from lightning_mics.engine.unit import ShardedState, TrainingState, Unit
@@ -39,17 +39,17 @@ class _Bucket(NamedTuple):
 class _PendingReduce(NamedTuple):
     grads: "UnitGrads"
     bucket: _Bucket
-    result: C.ReduceScatterResult  # its input may lie in the unit's full storage ([Note: staging in place])
+    result: collectives.ReduceScatterResult  # its input may lie in the unit's full storage ([Note: staging in place])
 
 
 class UnitGrads:
-    """One unit's gradients: its buckets, this window's accumulator, the stash, which parameters got one. It
+    """One unit's gradients: its buckets, this window's accumulator (and ZeRO-1's local one), which parameters got one. It
     reads the unit's layout and writes only the full parameters' ``.grad`` and the DTensors' ``.grad``."""
 
-    def __init__(self, unit: Unit, bucket_size: int, quantize: Optional[Q.QuantizeSpec] = None) -> None:
+    def __init__(self, unit: Unit, bucket_size: int, quantize: Optional[quantized.QuantizeSpec] = None) -> None:
         self.unit, self.params, self.topo, self.log = unit, unit.params, unit.topo, unit.log
-        self.quantize = quantize or Q.QuantizeSpec()  # [Note: quantized replica sync]
-        self._residuals: Dict[Tuple[int, ...], Q.Residual] = {}  # error feedback, per bucket
+        self.quantize = quantize or quantized.QuantizeSpec()  # [Note: quantized replica sync]
+        self._residuals: Dict[Tuple[int, ...], quantized.Residual] = {}  # error feedback, per bucket
         self.s, self.kernels, self.device = unit.s, unit.kernels, unit.device
         self.param_dtype, self.reduce_dtype = unit.param_dtype, unit.reduce_dtype
         self.shard_numel = unit.shard_flat.numel()
@@ -58,11 +58,11 @@ class UnitGrads:
         self.needs_reduce = False
         self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
         self.replica_issued = False  # the accumulator's all-reduce is in flight ([Note: replica sync overlap])
-        self.late: Optional[Tensor] = None  # reductions finished after that issue go here
+        self.accum_after_issue: Optional[Tensor] = None  # reductions finished after that issue go here
         self.rows = unit.optimizer_rows  # [Note: optimizer rows over replicas] in optimizer_rows.py
         self.reduced: Optional[Tensor] = None  # with them: this replica's rows of the synced gradients
         self._replica_work: List[Tuple[Optional[dist.Work], Optional[Tensor], List[Tensor]]] = []
-        self.stash: List[Optional[Tensor]] = [None] * len(self.params)  # [Note: optimizer-state-only sharding]
+        self.local_accum: List[Optional[Tensor]] = [None] * len(self.params)  # [Note: optimizer-state-only sharding]
         self.got_grad = torch.zeros(len(self.params), dtype=torch.bool)
         self._buckets: Dict[Tuple[int, ...], List[_Bucket]] = {}
 
@@ -72,14 +72,14 @@ class UnitGrads:
     def drop(self, keep_feedback: bool = False) -> None:
         """Local reset after a failure: no collective, no wait (a peer may be gone)."""
         self.needs_reduce = self.replica_issued = False
-        self.accum = self.late = self.reduced = None
-        C.abandon(*(work for work, _, _ in self._replica_work))  # [Note: chained collectives] in collectives.py
+        self.accum = self.accum_after_issue = self.reduced = None
+        collectives.abandon(*(work for work, _, _ in self._replica_work))  # [Note: chained collectives] in collectives.py
         self._replica_work.clear()
         if not keep_feedback:  # a failed step may have left a residual half-used
             self._residuals.clear()
             if self.rows is not None:
                 self.rows.residual = None
-        self.stash = [None] * len(self.params)
+        self.local_accum = [None] * len(self.params)
         self.got_grad.zero_()
 
     # -- gradients --------------------------------------------------------------------------------------
@@ -88,7 +88,7 @@ class UnitGrads:
         cached = self._buckets.get(slots)
         if cached is not None:
             return cached
-        runs = C.bucket_runs([math.prod(self.params[i].shape) for i in slots], self.bucket_size)
+        runs = collectives.bucket_runs([math.prod(self.params[i].shape) for i in slots], self.bucket_size)
         out = [self._bucket([slots[k] for k in run]) for run in runs]
         self._buckets[slots] = out
         return out
@@ -118,9 +118,9 @@ class UnitGrads:
                 grads = []
                 for i in bucket.slots:
                     g = local_grad(self.params[i])
-                    stashed, self.stash[i] = self.stash[i], None
-                    if stashed is not None:
-                        g = stashed if g is None else stashed.add_(g)
+                    local, self.local_accum[i] = self.local_accum[i], None
+                    if local is not None:
+                        g = local if g is None else local.add_(g)
                     if g is None:
                         g = torch.zeros(self.params[i].shape, dtype=self.param_dtype, device=self.device)
                     else:
@@ -131,7 +131,7 @@ class UnitGrads:
                     n = self.s * sum(self.params[i].rows.padded_numel for i in bucket.slots)
                     staging = self.unit.storage.staging(at, self.s, n // self.s)
                     at += n
-                res = C.reduce_scatter_grads(grads, self.topo.shard_group, self.s, dtype=self.reduce_dtype,
+                res = collectives.reduce_scatter_grads(grads, self.topo.shard_group, self.s, dtype=self.reduce_dtype,
                                              scale=1.0 / self.dp_size, async_op=True, log=self.log,
                                              kernels=self.kernels, staging=staging)
                 if in_full:
@@ -141,7 +141,7 @@ class UnitGrads:
             sp.full.grad = None
         return pending
 
-    def stash_grads(self) -> None:
+    def accumulate_locally(self) -> None:
         """Inside an accumulation window with optimizer-state-only sharding: the full gradients (param_dtype)
         move into reduce_dtype accumulators, so that the window sums in reduce_dtype, as the reduce-scatter
         of every micro-batch does otherwise."""
@@ -149,19 +149,19 @@ class UnitGrads:
             g = local_grad(sp)
             if g is None:
                 continue
-            if self.stash[i] is None:
-                self.stash[i] = g.to(self.reduce_dtype, copy=True)
+            if self.local_accum[i] is None:
+                self.local_accum[i] = g.to(self.reduce_dtype, copy=True)
             else:
-                self.stash[i].add_(g)
+                self.local_accum[i].add_(g)
             sp.full.grad = None
 
     def finish_reduce(self, p: _PendingReduce) -> None:
-        C.wait(p.result.work, self.log)
+        collectives.wait(p.result.work, self.log)
         self._accumulate(p.bucket, p.result.output)
         self.unit.storage.done_reading(p.result.work)  # [Note: staging in place]: the last reader frees it
 
     def _accumulate(self, bucket: _Bucket, out: Tensor) -> None:
-        """Adds a bucket's reduced shard gradients to the window's accumulator (to ``late`` once the replica
+        """Adds a bucket's reduced shard gradients to the window's accumulator (to ``accum_after_issue`` once the replica
         all-reduce of the accumulator is in flight: [Note: replica sync overlap])."""
         if self.accum is None:
             if bucket.lo == 0 and bucket.hi == self.shard_numel:
@@ -170,9 +170,9 @@ class UnitGrads:
             self.accum = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         target = self.accum
         if self.replica_issued:
-            if self.late is None:
-                self.late = torch.zeros_like(self.accum)
-            target = self.late
+            if self.accum_after_issue is None:
+                self.accum_after_issue = torch.zeros_like(self.accum)
+            target = self.accum_after_issue
         if bucket.lo >= 0:
             target[bucket.lo:bucket.hi].add_(out)
         else:
@@ -213,30 +213,30 @@ class UnitGrads:
 
     def _replica_all_reduce(self, flat: Tensor, bucket: _Bucket, async_op: bool) -> Any:
         """In-place sum over the replica group: an all-reduce in reduce_dtype, or int8 blocks with
-        ``quantize_gradients`` ([Note: quantized replica sync]). Returns the Work (``C.wait`` takes both)."""
+        ``quantize_gradients`` ([Note: quantized replica sync]). Returns the Work (``collectives.wait`` takes both)."""
         group, B = self.topo.replica_group, self.quantize.block_size
         if not self.quantize.gradients:
-            return C.all_reduce_sum(flat, group, async_op=async_op, log=self.log, group_name="replicate")
+            return collectives.all_reduce_sum(flat, group, async_op=async_op, log=self.log, group_name="replicate")
         residual = None
         if self.quantize.gradients == "error_feedback":
             residual = self._residuals.get(bucket.slots)
             if residual is None:
-                residual = self._residuals[bucket.slots] = Q.feedback_buffers(
+                residual = self._residuals[bucket.slots] = quantized.feedback_buffers(
                     flat.numel(), self.topo.layout.replicas, B, flat.dtype, flat.device)
-        res = Q.quantized_all_reduce(flat, group, B, residual=residual, async_op=async_op, log=self.log,
+        res = quantized.quantized_all_reduce(flat, group, B, residual=residual, async_op=async_op, log=self.log,
                                      group_name="replicate", kernels=self.kernels)
         return res if async_op else None
 
     def start_replica_gathers(self) -> None:
         """Int8 replica all-reduces not advanced yet wait for their all-to-all and issue their all-gather."""
-        for work in (w for w, _, _ in self._replica_work if isinstance(w, Q.QuantizedReduce)):
+        for work in (w for w, _, _ in self._replica_work if isinstance(w, quantized.QuantizedReduce)):
             work.advance()  # one advanced already (at its issue, on NCCL) does nothing
 
     def residuals(self) -> List[Tensor]:
         """The error-feedback state this rank keeps (model-state accounting)."""
         return [t for res in self.residual_state().values() for t in res]
 
-    def residual_state(self) -> Dict[Tuple[int, ...], Q.Residual]:
+    def residual_state(self) -> Dict[Tuple[int, ...], quantized.Residual]:
         """This rank's error-feedback residuals by bucket ([Note: residuals in checkpoints] in checkpoint/feedback.py);
         the optimizer rows' one under all the unit's parameters ([Note: quantized optimizer rows])."""
         if self.rows is not None:
@@ -248,7 +248,7 @@ class UnitGrads:
         return self.rows.residual_numel() if self.rows is not None else \
             sum(self.params[k].rows.padded_numel for k in slots)
 
-    def restore_residuals(self, state: Dict[Tuple[int, ...], Q.Residual]) -> None:
+    def restore_residuals(self, state: Dict[Tuple[int, ...], quantized.Residual]) -> None:
         """Takes ``state`` (``residual_state`` of a run with this layout, checked by the caller) as this rank's."""
         if self.rows is not None:
             self.rows.residual = state.get(tuple(range(len(self.params))))
@@ -257,24 +257,24 @@ class UnitGrads:
 
     def finish_replica_sync(self) -> None:
         """Waits for the replica all-reduce (issuing it first if nothing did); a contribution reduced after it
-        was issued (``late``) is all-reduced now and added: AR(a) + AR(b) = AR(a + b)."""
+        was issued (``accum_after_issue``) is all-reduced now and added: AR(a) + AR(b) = AR(a + b)."""
         self.issue_replica_sync()
         for work, buf, regions in self._replica_work:
-            C.wait(work, self.log)
+            collectives.wait(work, self.log)
             if buf is not None:
                 torch._foreach_copy_(regions, list(buf.split([r.numel() for r in regions])))
         self._replica_work.clear()
         self.replica_issued = False
-        late, self.late = self.late, None
-        if late is None:
+        after, self.accum_after_issue = self.accum_after_issue, None
+        if after is None:
             return
         if self.rows is not None:
-            self.reduced.add_(self.rows.reduce_scatter(late, async_op=False).output)
+            self.reduced.add_(self.rows.reduce_scatter(after, async_op=False).output)
             return
         if self.topo.layout.replicas > 1:
             for bucket in self.buckets(self.trainable()):
-                self._all_reduce_bucket(bucket, late, async_op=False)
-        self.accum.add_(late)
+                self._all_reduce_bucket(bucket, after, async_op=False)
+        self.accum.add_(after)
 
     def publish(self, got_any: Tensor) -> None:
         """Adds the synced shard gradients to the DTensor parameters' ``.grad`` (sets it where it is None).
@@ -300,21 +300,19 @@ class UnitGrads:
 
 
 # [Note: replica sync overlap]
-# In the boundary micro-batch the replica all-reduce of a unit's accumulator starts as soon as the unit's last
-# reduce-scatter of this backward is finished, while the backward of the units before it still runs (as DDP and
-# FSDP2 HSDP start cross-replica traffic per bucket); the end of backward waits for all of them before the
-# optimizer step. Collectives on one group must be issued in the same order on every rank, whatever the timing:
-# the all-reduces are issued in the fixed order ``reversed(units)`` (the usual backward order), a unit only after
-# every unit before it in that order, and whatever the backward did not issue is issued at the end in the same
-# order. A unit reduced again after its all-reduce was issued (a gradient accumulated after its post-backward)
-# adds the late part to a second buffer that is all-reduced at the end: AR(a) + AR(b) = AR(a + b).
-# A reduce-scatter normally stays in flight while the next unit's backward runs; but the first unit of the
-# boundary backward finishes its reduce-scatter at once and issues its all-reduce: waiting for the next unit's
-# backward would leave the replica link idle (``_link_waits_for``; the issue order is unchanged, only the moment
-# of the issue, decided by the program alone, never by whether a collective has completed).
-# The world all-reduce of the used-flags (and of the replicated parameters' last bucket) is issued at the end
-# of backward before anything is waited for, so its round trip across the slow link overlaps the replica
-# all-reduce's transfer instead of following it.
+# In the boundary micro-batch a unit's replica all-reduce starts as soon as its last reduce-scatter of the backward
+# has finished, while the backward of the units before it still runs (as DDP and FSDP2's HSDP do per bucket); the
+# end of backward waits for all of them before the optimizer step. Collectives on one group must be issued in the
+# same order on every rank, whatever the timing: the all-reduces go in the fixed order ``reversed(units)`` (the
+# usual backward order), a unit only after every unit before it, and what the backward did not issue goes at the
+# end in the same order. A
+# reduce-scatter otherwise stays in flight through the next unit's backward, but the first unit's is finished at
+# once and its all-reduce issued, so the replica link does not wait (``_link_waits_for``): the program alone decides
+# the moment of an issue, never whether a collective has completed. A unit reduced again after its all-reduce was
+# issued (a gradient accumulated after its post-backward) adds the late part to a second buffer all-reduced at the
+# end: AR(a) + AR(b) = AR(a + b). The world all-reduce of the used-flags (the replicated parameters' last bucket)
+# is issued at the end of backward before anything is waited for, so its round trip over the slow link overlaps
+# the replica all-reduces' transfer instead of following it.
 #
 # [Note: quantized replica sync]
 # With ``quantize_gradients`` each bucket's replica all-reduce is two collectives on the replica group with local
@@ -331,7 +329,7 @@ class GradientPath:
     boundary, and the replicated parameters' reducer ([Note: replicated gradients] in replicated.py)."""
 
     def __init__(self, units: List[Unit], reducer: ReplicatedReducer, bucket_size: int,
-                 optimizer_state_only: bool, quantize: Optional[Q.QuantizeSpec] = None) -> None:
+                 optimizer_state_only: bool, quantize: Optional[quantized.QuantizeSpec] = None) -> None:
         self.all = [UnitGrads(u, bucket_size, quantize) for u in units]
         self._of = {id(g.unit): g for g in self.all}
         self.reducer = reducer
@@ -374,12 +372,12 @@ class GradientPath:
         self._advance_replica_sync()
 
     def end_of_backward(self, unit: Unit, releasing: bool) -> None:
-        """The end-of-backward callback, unit by unit in reverse: what is left is reduced (or stashed)."""
+        """The end-of-backward callback, unit by unit in reverse: what is left is reduced (or local)."""
         g = self.of(unit)
         if g.needs_reduce and self.reduce_now():
             self.reduce(unit, releasing)
         elif g.needs_reduce and g.param_dtype != g.reduce_dtype:
-            g.stash_grads()  # [Note: optimizer-state-only sharding]: the window sums in reduce_dtype
+            g.accumulate_locally()  # [Note: optimizer-state-only sharding]: the window sums in reduce_dtype
 
     def drain(self) -> None:
         while self._pending_reduces:

@@ -2,27 +2,22 @@
 decide nothing themselves (FSDP2's ``FSDPState`` role).
 
 [Note: one optimizer step]
-forward, unit by unit:  the outermost entry into a unit (its module, or for the root any module holding a root
-                        parameter) finishes its all-gather (issued earlier by a prefetch, or now), swaps the full
-                        parameters into the modules and prefetches the next units ([Note: prefetch] in
-                        schedule.py); when the last nested call returns, the unit is released (or kept for
-                        backward) and hooks its outputs for backward.
-backward, reverse:      a hook on the unit's outputs gathers it again; the unit's gradients are complete when an
-                        autograd function on its inputs fires (or, for a unit whose inputs need no gradient, when
-                        every trainable parameter's gradient has been accumulated): they are reduce-scattered in
-                        the shard group (async) into the unit's accumulator and the unit is released
-                        (gradients.py).
-end of backward:        a callback on the autograd engine reduces what is left, then, only at an accumulation
-                        boundary (Lightning's block_backward_sync marks the others), all-reduces the accumulators
-                        across the replica group (MiCS 2-hop sync) and the replicated parameters' gradients
-                        across the world, and adds the result to the DTensor parameters' ``.grad`` (added, as
-                        plain PyTorch does, when the user has not zeroed them).
+forward, unit by unit:  the outermost entry into a unit (for the root: any module holding a root parameter) waits
+                        for its all-gather (prefetched, or issued now), swaps the full parameters in and prefetches
+                        the next units ([Note: prefetch] in schedule.py); the last nested return releases the unit
+                        (or keeps it for backward) and hooks its outputs.
+backward, reverse:      a hook on those outputs gathers it again; when an autograd function on its inputs fires
+                        (inputs needing no gradient: when every trainable parameter's gradient has accumulated),
+                        its gradients are reduce-scattered (async, shard group) into its accumulator and the unit
+                        is released (gradients.py).
+end of backward:        a callback reduces the rest; at an accumulation boundary only (block_backward_sync marks the
+                        others) it all-reduces the accumulators over the replicas (MiCS's 2-hop sync) and replicated
+                        gradients over the world, and adds the sums into the DTensors' ``.grad`` (unzeroed ones accumulate).
 optimizer step:         the user's optimizer steps the DTensor shards ([Note: placement] in placement.py); after it
-                        ([Note: steps the engine hears of] in optimizer_hooks.py) any unit that is still gathered is
-                        refreshed (manual optimization steps inside the root's forward) and stale prefetches are
-                        dropped (``Schedule.after_optimizer_step``); one that a backward and user code left gathered
-                        without a step is gathered again when a forward next enters it
-                        ([Note: masters moved outside a step] in lent.py).
+                        ([Note: steps the engine hears of] in user_code/optimizer_watch.py) a unit still gathered
+                        (a manual step inside the root's forward) is refreshed and stale prefetches are dropped
+                        (``Schedule.after_optimizer_step``). User code between these events reaches the engine
+                        through [Note: the user-code boundary] in user_code/boundary.py.
 
 [Note: hooks under torch.compile]
 Dynamo would trace into the forward hooks (they wait on collectives, resize storages, swap module attributes and wrap
@@ -30,18 +25,18 @@ inputs in an autograd Function) and fail there. They are ``torch.compiler.disabl
 hooks: a compiled model breaks its graph at each unit's entry and exit, runs the hook eagerly and compiles what lies
 between. The backward hooks (tensor hooks, post-accumulate-grad hooks, the end-of-backward callback) run in the autograd
 engine, outside dynamo. Compiled autograd would trace them: the first backward hook refuses it with a RuntimeError on
-every rank (it failed inside dynamo at ``queue_callback`` without ``fullgraph``, and hung with it).
+every rank (traced, they fail inside dynamo at ``queue_callback`` without ``fullgraph``, and hang with it).
 
 [Note: calls outside the precision's context]
 Under a mixed precision (``param_dtype`` narrower than the masters' dtype) the units lend ``param_dtype`` copies,
 and the forwards run under the precision's autocast: Lightning's step contexts, Fabric's module. A call from
-outside them (a callback that calls a submodule on an fp32 tensor, ``fabric_model.module(x)``) met bf16 weights
-without autocast and failed (``mat1 and mat2 must have the same dtype``), where DDP's fp32 weights compute it. So
-an outermost entry into a unit while autocast is off runs that call under autocast in ``param_dtype``, as the
-training forward runs: the layers autocast keeps in fp32 (a LayerNorm, its weights possibly replicated fp32) stay
-so, fp32 inputs are cast where a matmul meets the copies, and the output is what a training forward's is. The
-context is left when that call returns or raises (the post-forward hook runs on both). Inside the precision's
-context nothing changes.
+outside them (a callback that calls a submodule on an fp32 tensor, ``fabric_model.module(x)``) would meet bf16
+weights without autocast and fail (``mat1 and mat2 must have the same dtype``), where DDP's fp32 weights compute
+it. So an outermost entry into a unit while autocast is off runs that call under autocast in ``param_dtype``, as
+the training forward runs: the layers autocast keeps in fp32 (a LayerNorm, its weights possibly replicated fp32)
+stay so, fp32 inputs are cast where a matmul meets the copies, and the output is what a training forward's is.
+The context is left when that call returns or raises (the post-forward hook runs on both). Inside the
+precision's context nothing changes.
 """
 
 from __future__ import annotations
@@ -55,10 +50,10 @@ from torch._dynamo import compiled_autograd
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_mics.engine.gradients import GradientPath
-from lightning_mics.engine.shown_grads import ShownGrads
 from lightning_mics.layout.placement import ReplicatedParam
 from lightning_mics.engine.schedule import Schedule
-from lightning_mics.engine.unit import Unit, in_backward
+from lightning_mics.engine.unit import ShardedState, Unit, in_backward
+from lightning_mics.engine.user_code.boundary import UserCodeBoundary
 
 
 class _PostBackward(torch.autograd.Function):
@@ -79,9 +74,9 @@ class Hooks:
     """Registers the hooks of every unit on its entry modules ([Note: one optimizer step]) and removes them."""
 
     def __init__(self, units: List[Unit], entries: Sequence[List[nn.Module]], schedule: Schedule,
-                 grads: GradientPath, shown: Sequence[ShownGrads] = (), owner: Any = None) -> None:
+                 grads: GradientPath, user_code: UserCodeBoundary, owner: Any = None) -> None:
         self.units, self.root = units, units[0]
-        self.shown = list(shown)  # [Note: gradients on the plain parameters] in shown_grads.py
+        self.user_code = user_code  # [Note: the user-code boundary] in user_code/boundary.py
         self.owner = owner  # held by the hooks, so by the modules: [Note: engines beside their modules] (frontends/shared.py)
         self.schedule, self.grads = schedule, grads
         self._callback_queued = False
@@ -104,18 +99,16 @@ class Hooks:
                 self.schedule.gather_for_recompute(unit)
                 return args, kwargs
             if not unit.enter_forward():  # a nested call (manual optimization's forward inside the root's)
-                self.schedule.catch_up(unit, outermost=False)
+                self.user_code.forward_entered(unit, outermost=False)
                 return args, kwargs
             self._enter_precision(unit)
             if unit is self.root:
                 self._begin_iteration()
             self.schedule.on_forward(unit)
+            was_gathered = unit.state is ShardedState.GATHERED
             unit.finish_gather()
-            if unit is self.root:  # user code may run inside it (manual optimization's training_step)
-                for shown in self.shown:  # the root's (every pinned unit is the root)
-                    shown.show()
             unit.begin_forward()
-            self.schedule.catch_up(unit, outermost=True)
+            self.user_code.forward_entered(unit, outermost=True, was_gathered=was_gathered)
             if not torch.is_grad_enabled():
                 return args, kwargs
             flat, spec = tree_flatten((args, kwargs))
@@ -137,6 +130,8 @@ class Hooks:
             self._leave_precision(unit)
             grad = torch.is_grad_enabled()
             self.schedule.after_forward(unit, grad)
+            if unit.state is ShardedState.GATHERED:
+                self.user_code.unit_kept(unit, window_ended=False)
             if grad and output is not None:
                 flat, _ = tree_flatten(output)
                 for t in flat:
@@ -163,8 +158,7 @@ class Hooks:
         """The root is entered from outside any forward: forget what a forward without backward left."""
         for unit in self.units:
             unit.clear_counters()
-        for shown in self.shown:  # a zero_grad() through the module, or of the optimizer's not seen by ``follow``
-            shown.take()
+        self.user_code.iteration_begins()
         self.schedule.begin_iteration()
 
     # -- backward ---------------------------------------------------------------------------------------
@@ -172,6 +166,7 @@ class Hooks:
         def hook(grad: Tensor) -> Tensor:
             self._queue_end_of_backward()
             if unit.begin_backward():
+                self.user_code.backward_started(unit)
                 self.schedule.on_backward(unit)
             unit.finish_gather()
             self.grads.mark(unit)
@@ -199,12 +194,16 @@ class Hooks:
         """The unit's backward is complete: its gradients are reduced, then it is released if the schedule
         says so."""
         boundary = self.grads.sync_replicas
-        for shown in self.shown:  # the plain gradients are read next
-            shown.hide()
+        self.user_code.grads_read()
         unit.finish_backward()  # first: the reduction may start the unit's replica all-reduce right away
         if self.grads.needs_reduce(unit) and self.grads.reduce_now():
             self.grads.reduce(unit, releasing=self.schedule.releases_after_backward(unit, boundary))
+        self._after_backward(unit, boundary)
+
+    def _after_backward(self, unit: Unit, boundary: bool) -> None:
         self.schedule.after_backward(unit, boundary)
+        if unit.state is ShardedState.GATHERED:
+            self.user_code.unit_kept(unit, window_ended=boundary)
 
     def _queue_end_of_backward(self) -> None:
         if not self._callback_queued:
@@ -220,18 +219,16 @@ class Hooks:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         boundary = self.grads.sync_replicas
-        for shown in self.shown:  # the plain gradients are read next
-            shown.hide()
+        self.user_code.grads_read()
         for unit in reversed(self.units):  # same order on every rank
             self.grads.end_of_backward(unit, releasing=self.schedule.releases_after_backward(unit, boundary))
-            self.schedule.after_backward(unit, boundary)
+            self._after_backward(unit, boundary)
             unit.end_backward()
         self.grads.drain()
         self.schedule.end_backward()
         if boundary:
             self.grads.sync()
-            for shown in self.shown:
-                shown.show()
+            self.user_code.boundary_published()
 
     # -- teardown ---------------------------------------------------------------------------------------
     def remove(self) -> None:
@@ -240,8 +237,7 @@ class Hooks:
         self._handles.clear()
         for unit in self.units:
             unit.remove_hooks()
-        for shown in self.shown:
-            shown.remove()
+        self.user_code.remove()
 
     def reset(self) -> None:
         """After an exception: no end-of-backward callback is pending any more."""

@@ -2,78 +2,54 @@
 accumulation boundary, and the all-gather of the updated rows that the next forward waits for.
 
 [Note: optimizer rows over replicas]
-``shard_optimizer_state=True`` with s > 1 keeps MiCS's layout for parameters and gradients (each rank of a shard
-group holds its chunk of every sharded parameter, every replica the same chunk) but shards the optimizer state
-over all s x r data-parallel ranks: replica j steps only its part of the chunk, rows
-``[j * ceil(n / r), (j + 1) * ceil(n / r))`` of the chunk's n rows (torch.chunk's rows), which is DTensor's
-``(_StridedShard(0, split_factor=s), Shard(0))`` on the (replicate, shard) mesh: the optimizer's DTensors, their
-gradients and optimizer state are those rows (``ShardedParam.stepped``, a view of the flat shard).
-
-The replica all-reduce of the window's shard gradients becomes its two halves, split around the step:
-- at the boundary each unit's accumulator is *reduce-scattered* over the replica group (the rows laid out
-  replica-major by ``chunk_cat``, so each replica receives the summed rows it steps), issued as early as the
-  all-reduce was ([Note: replica sync overlap] in gradients.py);
-- after the optimizer step every unit's updated rows are *all-gathered* over the replica group (master dtype,
-  async, in unit order) when the next forward starts, and a unit's gather waits for its rows before it reads the
-  flat shard, so these transfers run while the forward computes the units before it
-  ([Note: rows between steps]). A state dict, a save or a full gather exchanges them first and waits.
-The bytes on the replica link are the all-reduce's (a ring all-reduce is a reduce-scatter plus an all-gather);
-in fp32 the same, with a lower reduce_dtype the gather half moves master-dtype rows. What moves is *when*: half
-of it overlaps the forward instead of queueing after the backward, and each replica's optimizer steps 1/r of
-the rows and holds 1/r of the state. The model's sharded checkpoint holds the chunks as without the option
-(``ShardedParam.held``); the optimizer state is saved and resharded through its DTensor placement.
+With ``shard_optimizer_state=True`` and s > 1, parameters and gradients keep MiCS's layout, but replica j steps
+only rows ``[j * ceil(n / r), (j + 1) * ceil(n / r))`` of its chunk's n rows (torch.chunk's): DTensor's
+``(_StridedShard(0, split_factor=s), Shard(0))`` on the (replicate, shard) mesh. The optimizer's DTensors, their
+gradients and state are those rows (``ShardedParam.optimizer_local``, a view of the flat shard). The replica
+all-reduce splits around the step: at the boundary the accumulator is reduce-scattered (rows replica-major by
+``chunk_cat``), issued as early as the all-reduce was ([Note: replica sync overlap] in gradients.py); the updated
+rows are all-gathered (master dtype, async, unit order) when the next forward starts, each unit's gather waiting
+for its own ([Note: rows between steps]); a state dict, a save or a full gather exchanges them and waits first.
+The bytes are the all-reduce's (the gather half in the master dtype), half of them now overlapping the forward,
+and each replica steps and holds 1/r of the state. Checkpoints hold the chunks as without the option
+(``ShardedParam.checkpoint_view``); the optimizer state reshards through its DTensor placement.
 
 [Note: rows between steps]
-Between steps the module's parameters are the optimizer's DTensors, each replica's rows. A read (``full_tensor``, a
-norm logged after the step) gathers every replica's rows and sees what DDP would. A write (weight clipping after
-the step, an average swapped in for validation and back) changes this replica's rows only, and every replica's
-chunk must take it before it is next read whole. So rows cross the replicas when the chunks are next read, and
-whatever changed them crosses:
-- each replica keeps its rows as every replica holds them (``agreed``: taken when the chunks are built, after a
-  load, and at every exchange);
-- an optimizer step marks every unit ``stale`` (the post-step hook runs alike on every rank);
-- when a forward enters the root, and before a save, a state dict or the end of a run (``exchange``), every unit
-  whose rows differ from ``agreed`` exchanges them: the stale ones and, unless every unit is stale, those whose
-  rows some replica finds changed bit for bit. One all-reduce of a flag per unit over the replica group makes that
-  decision the same everywhere: a write may change one replica's rows and not another's (a clamp with nothing out
-  of range on one of them);
-- the exchanges are issued in unit order, async; each unit's gather waits for its own.
-The cost is a copy of this replica's rows (1/r of the master shard) and, on a forward that no step precedes (the micro-batches
-inside an accumulation window, evaluation), the comparison, the flags' all-reduce (4 bytes a unit, latency only)
-and one host read of their sums ([Note: host reads per step] in reliability.py); after a step every unit is stale
-and nothing is compared or read. Every rank then runs the same forwards as its replicas, as it already does with
-its shard group; Lightning's ``DistributedSampler`` pads evaluation to the same batches on every rank. Not seen: a
-write made after a forward has entered the root and before a unit's backward gathers it again (inside the training
-step).
+Between steps the module's parameters are each replica's own rows. A read (``full_tensor``) gathers every
+replica's and sees what DDP would; a write (a clamp after the step, an average swapped in) changes this replica's
+rows only, and every replica must take it before the chunks are next read whole. So when a forward enters the
+root, and before a save, a state dict or the end of a run (``exchange``), every unit whose rows differ from
+``agreed`` (its rows as all replicas hold them: set when built, loaded and at every exchange) exchanges them,
+async, in unit order, each unit's gather waiting for its own. Those are the ``stale`` units (an optimizer step
+marks all, alike on every rank) and, unless all are stale, those some replica finds changed bit for bit: one
+all-reduce of a flag per unit over the replica group makes the replicas decide alike, since a write may change
+one replica's rows and not another's. So every rank must run the same forwards as its replicas
+(``DistributedSampler`` pads evaluation). Cost: a copy of 1/r of the master shard and, on a forward no step
+precedes, the comparison, the flags' all-reduce (4 bytes a unit) and one host read ([Note: host reads per step]
+in reliability.py). Not seen: a write after a forward has entered the root, before a unit's backward gathers it.
 
 [Note: quantized optimizer rows]
-With ``quantize_gradients`` the reduce-scatter travels as int8 blocks: steps 1-3 of [Note: quantized all-reduce]
-(quantized.py), the replica-major layout's rows padded to a multiple of 4 elements so that each replica's row is
-one quantized chunk. The all-gather carries parameters, not gradients: rounding them would leave every replica's
-masters off by a quantum, and an update smaller than half a quantum would be lost on every step. So it stays in
-the master dtype with ``quantize_gradients=True``; with ``"error_feedback"`` what travels in int8 is the step's
-*change* of this replica's rows plus the rounding error left by the last one (the residual's ``reduced`` half):
-- ``agreed`` ([Note: rows between steps]) is this replica's rows as every replica holds them;
-- at an exchange, delta = rows - agreed (the step's change, and any other write to these rows since the last
-  exchange, e.g. a clamp after the step); delta + residual is quantized and all-gathered, and agreed and this
-  replica's rows become agreed + its own dequantized delta;
-- every other replica adds that dequantized delta to its copy of those rows (``settle``).
-All replicas then hold the same bits, as in fp32: each adds the same dequantized values to the same rows. The
-masters move by the quantized deltas; summed over steps they differ from the optimizer's own updates only by
-the last residual, within one quantization's bound ([Note: error feedback]): the error does not accumulate.
-Per step and replica the link carries about n / 2 + n / 2 bytes (int8 both ways, scales 4/B) against the fp32
-all-reduce's 4 n: a quarter, as the quantized all-reduce. The residuals (the contribution's r x row elements in
-the reduction dtype, the delta's row in the master dtype) are carried by sharded checkpoints like the others
-([Note: residuals in checkpoints] in checkpoint/feedback.py).
+With ``quantize_gradients`` the reduce-scatter travels as int8 blocks (steps 1-3 of [Note: quantized all-reduce]
+in quantized.py), each replica's row of the replica-major layout padded to a multiple of 4 elements so that it is
+one quantized chunk. The all-gather carries parameters: rounding them would leave the masters off by a quantum
+and lose every update under half a quantum, so it stays in the master dtype, except with ``"error_feedback"``.
+Then an exchange quantizes delta = rows - ``agreed`` (the step's change and any other write since) plus the last
+rounding error (the residual's ``reduced`` half) and all-gathers it; this replica sets agreed and its rows to
+agreed + its own dequantized delta, and every other replica adds the same dequantized delta (``settle``). So all
+replicas hold the same bits, and the masters differ from the optimizer's own updates only by the last residual,
+within one quantization's bound ([Note: error feedback] in quantized.py): the error does not accumulate. The link
+carries about n / 2 + n / 2 bytes per step and replica (int8 both ways), a quarter of the fp32 all-reduce's 4 n.
+The residuals (the contribution's r x row elements in the reduction dtype, the delta's row in the master dtype)
+go into sharded checkpoints ([Note: residuals in checkpoints] in checkpoint/feedback.py).
 
 [Note: rows when a run ends]
-A run that ends well exchanges what is stale or written (``exchange``, its quiesce), so the next run (a second
-``fit`` in the same process, a state dict of a module left sharded) starts from the same parameters on every
-replica. After a failure (``drop``, no collective issued: a peer may be gone) an exchange in flight is given until
-the failure grace to complete ([Note: a lone failure] in reliability.py) and taken if it did; either way every
-unit is marked stale with its *rows* due next, also with int8 deltas: ranks may have taken different exchanges,
-and the next one (every rank alike, after a failure on every rank, whose groups are kept) sends the rows
-themselves, after which the replicas agree whatever arrived before.
+A run that ends well exchanges what is stale or written (``exchange``, in ``Schedule.release_idle``), so the next
+run (a second ``fit`` in the same process, a state dict of a module left sharded) starts from the same parameters
+on every replica. After a failure (``drop``, no collective issued: a peer may be gone) an exchange in flight is
+given until the failure grace ([Note: a failure on every rank] in reliability.py) to complete and is taken if it
+did; either way every unit is marked stale with its *rows* due next, also with int8 deltas: ranks may have taken
+different exchanges, and the next one (every rank alike, after a failure on every rank, whose groups are kept)
+sends the rows themselves, after which the replicas agree whatever arrived before.
 """
 
 from __future__ import annotations
@@ -85,8 +61,8 @@ import torch
 from torch import Tensor
 
 import lightning_mics_kernels
-from lightning_mics.comm import collectives as C
-from lightning_mics.comm import quantized as Q
+from lightning_mics.comm import collectives
+from lightning_mics.comm import quantized
 from lightning_mics.layout.placement import ShardedParam
 from lightning_mics.comm.telemetry import CommLog
 from lightning_mics.layout.topology import Topology
@@ -99,21 +75,21 @@ class OptimizerRows:
     parameter's rows sit in the replica-major layout, the gradients' reduce-scatter, the rows' all-gather."""
 
     def __init__(self, params: Sequence[ShardedParam], topo: Topology, log: CommLog, kernels: str,
-                 quantize: Optional[Q.QuantizeSpec] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 quantize: Optional[quantized.QuantizeSpec] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.params, self.log, self.kernels = list(params), log, kernels
         self.group, self.r = topo.replica_group, topo.layout.replicas
         self.offsets: List[int] = [0]  # of each parameter's slot in one replica's row of the layout
         for sp in self.params:
             self.offsets.append(self.offsets[-1] + sp.rows.sub_chunk * sp.rows.rest)
-        self.quantize = quantize or Q.QuantizeSpec()  # [Note: quantized optimizer rows]
+        self.quantize = quantize or quantized.QuantizeSpec()  # [Note: quantized optimizer rows]
         self.deltas = self.quantize.gradients == "error_feedback"  # the all-gather sends int8 deltas
-        self.row = Q.chunk_numel(self.offsets[-1])  # one replica's row, padded to a whole quantized chunk
+        self.row = quantized.chunk_numel(self.offsets[-1])  # one replica's row, padded to a whole quantized chunk
         self.reduce_dtype = reduce_dtype or self.params[0].local.dtype
-        self.residual: Optional[Q.Residual] = None  # error feedback: (contribution, delta), lazily
+        self.residual: Optional[quantized.Residual] = None  # error feedback: (contribution, delta), lazily
         self._agreed: Optional[Tensor] = None  # this replica's rows as every replica holds them (``agree``)
         self.stale = False  # stepped since the last exchange ([Note: rows between steps])
         self._rows_next = False  # the next exchange sends the rows, not int8 deltas ([Note: rows when a run ends])
-        self._pending: Optional[C.AllGatherResult] = None  # the rows' exchange, in flight
+        self._pending: Optional[collectives.AllGatherResult] = None  # the rows' exchange, in flight
         self._pending_rows = False  # whether it carries rows (else int8 deltas)
 
     @staticmethod
@@ -121,25 +97,25 @@ class OptimizerRows:
         """The chunk's unpadded rows of ``sp`` in a flat-shard-layout tensor."""
         return flat[sp.offset:sp.offset + sp.rows.local_rows * sp.rows.rest].view(sp.rows.local_rows, *sp.shape[1:])
 
-    def reduce_scatter(self, accum: Tensor, async_op: bool) -> C.ReduceScatterResult:
+    def reduce_scatter(self, accum: Tensor, async_op: bool) -> collectives.ReduceScatterResult:
         """Sums ``accum`` (the window's shard gradients, flat-shard layout) over the replicas; the output holds
         this replica's rows of every parameter (``rows_of``)."""
         chunks = [self.chunk_of(accum, sp) for sp in self.params]
         if not self.quantize.gradients:
-            return C.reduce_scatter_grads(chunks, self.group, self.r, dtype=accum.dtype, async_op=async_op,
+            return collectives.reduce_scatter_grads(chunks, self.group, self.r, dtype=accum.dtype, async_op=async_op,
                                           log=self.log, group_name="replicate", kernels=self.kernels,
                                           fewest_bytes=True)  # [Note: reduce-scatter on gloo] in collectives.py
         send = lightning_mics_kernels.chunk_cat(chunks, self.r, dtype=accum.dtype, backend=self.kernels)  # replica-major
         if self.row > self.offsets[-1]:  # each replica's row padded to a whole quantized chunk
             send = torch.nn.functional.pad(send, (0, self.row - self.offsets[-1]))
-        return Q.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
+        return quantized.quantized_reduce_scatter(send.view(-1), self.group, self.quantize.block_size, async_op=async_op,
                                           residual=self._residual().contribution if self.deltas else None,
                                           log=self.log, group_name="replicate", kernels=self.kernels)
 
-    def _residual(self) -> Q.Residual:
+    def _residual(self) -> quantized.Residual:
         if self.residual is None:
             master = self.params[0].local
-            self.residual = Q.Residual(torch.zeros(self.r * self.row, dtype=self.reduce_dtype, device=master.device),
+            self.residual = quantized.Residual(torch.zeros(self.r * self.row, dtype=self.reduce_dtype, device=master.device),
                                        torch.zeros(self.row, dtype=master.dtype, device=master.device))
         return self.residual
 
@@ -166,9 +142,9 @@ class OptimizerRows:
         return send
 
     def _gather(self, locals_: Sequence[Optional[Tensor]], dtype: torch.dtype, device: torch.device,
-                async_op: bool) -> C.AllGatherResult:
+                async_op: bool) -> collectives.AllGatherResult:
         send = self._pack(locals_, dtype, device, self.offsets[-1])
-        return C.all_gather_flat(send, self.group, self.r, async_op=async_op, log=self.log, group_name="replicate")
+        return collectives.all_gather_flat(send, self.group, self.r, async_op=async_op, log=self.log, group_name="replicate")
 
     # -- the rows between steps ([Note: rows between steps]) ------------------------------------------------
     def agree(self) -> None:
@@ -176,7 +152,7 @@ class OptimizerRows:
         all hold them. Nothing may be in flight."""
         ref = self.params[0].local
         with torch.no_grad():
-            self._agreed = self._pack([sp.stepped for sp in self.params], ref.dtype, ref.device, self.row)
+            self._agreed = self._pack([sp.optimizer_local for sp in self.params], ref.dtype, ref.device, self.row)
         self.stale = self._rows_next = False
 
     def changed(self) -> Tensor:
@@ -185,8 +161,8 @@ class OptimizerRows:
         ref = self.params[0].local
         if self._agreed is None:
             return torch.ones((), device=ref.device)
-        flags = [torch.ne(sp.stepped.reshape(-1).view(torch.uint8), self._agreed[o:o + sp.stepped.numel()]
-                          .view(torch.uint8)).any() for sp, o in zip(self.params, self.offsets) if sp.stepped.numel()]
+        flags = [torch.ne(sp.optimizer_local.reshape(-1).view(torch.uint8), self._agreed[o:o + sp.optimizer_local.numel()]
+                          .view(torch.uint8)).any() for sp, o in zip(self.params, self.offsets) if sp.optimizer_local.numel()]
         return torch.stack(flags).any().float() if flags else torch.zeros((), device=ref.device)
 
     def share(self) -> None:
@@ -199,19 +175,19 @@ class OptimizerRows:
         self._pending_rows = not self.deltas or self._rows_next
         with torch.no_grad():
             if self._pending_rows:
-                self._pack_into(agreed, [sp.stepped for sp in self.params])  # its padding stays zero
-                self._pending = C.all_gather_flat(agreed[:self.offsets[-1]], self.group, self.r, async_op=True,
+                self._pack_into(agreed, [sp.optimizer_local for sp in self.params])  # its padding stays zero
+                self._pending = collectives.all_gather_flat(agreed[:self.offsets[-1]], self.group, self.r, async_op=True,
                                                   log=self.log, group_name="replicate")
             else:
-                delta = self._pack([sp.stepped for sp in self.params], agreed.dtype, agreed.device, self.row)
+                delta = self._pack([sp.optimizer_local for sp in self.params], agreed.dtype, agreed.device, self.row)
                 delta.sub_(agreed)
                 own = torch.empty_like(delta)  # this replica's change as every replica dequantizes it
-                self._pending = Q.quantized_all_gather(delta, self.group, self.r, self.quantize.block_size, own=own,
+                self._pending = quantized.quantized_all_gather(delta, self.group, self.r, self.quantize.block_size, own=own,
                                                        residual=self._residual().reduced, async_op=True,
                                                        log=self.log, group_name="replicate", kernels=self.kernels)
                 agreed.add_(own)  # the rows every replica will hold: the others add the same bits in ``_take``
                 for sp, o in zip(self.params, self.offsets):
-                    sp.stepped.view(-1).copy_(agreed[o:o + sp.stepped.numel()])
+                    sp.optimizer_local.view(-1).copy_(agreed[o:o + sp.optimizer_local.numel()])
         self.stale = self._rows_next = False
 
     def settle(self) -> None:
@@ -227,7 +203,7 @@ class OptimizerRows:
         res, self._pending = self._pending, None
         if res is None:
             return
-        out = C.gathered(res, self.log)
+        out = collectives.gathered(res, self.log)
         with torch.no_grad():
             for sp, o in zip(self.params, self.offsets):
                 for j in range(self.r):
@@ -261,9 +237,9 @@ class OptimizerRows:
                device: torch.device) -> List[Optional[Tensor]]:
         """Whole chunks (the shard group's rows) of per-parameter optimizer-state rows (``None``: no such
         tensor): an all-gather over the replica group. Collective; every replica passes the same Nones."""
-        out = C.gathered(self._gather(locals_, dtype, device, async_op=False), self.log)
+        out = collectives.gathered(self._gather(locals_, dtype, device, async_op=False), self.log)
         fulls = [torch.empty(sp.rows.local_rows, *sp.shape[1:], dtype=dtype, device=device) for sp in self.params]
-        C.copy_out(out, fulls, self.r, "torch")
+        collectives.copy_out(out, fulls, self.r, "torch")
         return [f if t is not None else None for f, t in zip(fulls, locals_)]
 
 
@@ -275,7 +251,7 @@ def exchange(units: Sequence[OptimizerRows]) -> None:
     check = [u for u in units if not u.stale]
     if check:
         flags = torch.stack([u.changed() for u in check])
-        C.all_reduce_sum(flags, units[0].group, log=units[0].log, group_name="replicate")
+        collectives.all_reduce_sum(flags, units[0].group, log=units[0].log, group_name="replicate")
         for u, f in zip(check, flags.tolist()):  # one host read for every unit ([Note: host reads per step])
             u.stale = u.stale or f > 0
     for u in units:

@@ -2,27 +2,26 @@
 
 [Note: replicated gradients]
 Parameters below ``param_persistence_threshold`` (and every parameter when s == 1) are whole on every rank;
-autograd accumulates their local gradient into the plain twin's ``.grad`` over the micro-batches of a window.
-In the boundary micro-batch's backward, a parameter is *ready* when its post-accumulate-grad hook fires.
-Buckets are fixed runs of the trainable replicated parameters in reverse registration order (roughly the
-order backward produces them), of at most ``min(reduce_bucket_size, DDP's 25 MiB)``; bucket k is all-reduced
-(async, world group, pre-scaled by 1/W) as soon as all its parameters are ready and buckets 0..k-1 have gone,
-so every rank issues the same collectives in the same order. The last bucket also carries one flag per
-trainable parameter of the whole model (did this rank produce a gradient in the window?) and goes at the end of
-backward, when every flag is known, before anything is waited for (``launch_rest``, then ``finish``); a
-parameter no rank produced a gradient for keeps ``grad=None``, as in one plain process. After the wait, each
-summed gradient is added to the DTensor parameter's ``.grad`` (set where it is None).
+autograd accumulates their local gradient into the plain twin's ``.grad`` over a window's micro-batches. Buckets
+are fixed runs of the trainable replicated parameters in reverse registration order (roughly backward's order),
+of at most ``min(reduce_bucket_size, DDP's 25 MiB)``. In the boundary backward bucket k is all-reduced (async,
+world group, pre-scaled by 1/W) once its parameters are all *ready* (post-accumulate-grad hook fired) and buckets
+0..k-1 have gone, so every rank issues the same collectives in the same order. The last bucket also carries one
+flag per trainable parameter of the model (did this rank produce a gradient in the window?) and goes at the end
+of backward, when every flag is known, before anything is waited for (``launch_rest``, then ``finish``). After
+the wait each sum is added to the DTensor's ``.grad`` (set where None); a parameter no rank produced a gradient
+for keeps ``grad=None``, as in one plain process.
 
 [Note: flags without a wait]
 Reading a device tensor on the host waits for everything queued before it, and the host then has nothing queued
-for the device while it catches up: on one H100 (GPT-2 124M, ``benchmarks/single_gpu.py``) a read per bucket, and
-an upload of each bucket's flags from pageable memory, left the strategy at 0.50x of the bare loop's tokens/s.
-So: with one rank nothing is summed, the flags never leave the host, and the gradients are not copied into a
-bucket either (each goes to its DTensor parameter as it is). With more, each bucket's flags go up pinned
-and non-blocking. A summed flag is at least this rank's own, so a rank that produced every gradient knows every
-answer (yes) and reads nothing; a rank that lacks one reads every bucket's summed flags in one copy after the last
-wait (the ``None`` of a gradient no rank produced is decided on the host). Ranks that answer from their own flags
-and ranks that read agree: where a flag is this rank's, the sum is positive on every rank.
+for the device while it catches up: a read per bucket, or an upload of each bucket's flags from pageable memory,
+halves a single GPU's tokens/s against the bare loop. So with one rank nothing is summed, the flags never leave the
+host, and the gradients are not copied into a bucket either (each goes to its DTensor parameter as it is). With
+more, each bucket's flags go up pinned and non-blocking. A summed flag is at least this rank's own, so a rank that
+produced every gradient knows every answer (yes) and reads nothing; a rank that lacks one reads every bucket's
+summed flags in one copy after the last wait (the ``None`` of a gradient no rank produced is decided on the host).
+Ranks that answer from their own flags and ranks that read agree: where a flag is this rank's, the sum is positive
+on every rank.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mics.comm import collectives as C
+from lightning_mics.comm import collectives
 from lightning_mics.layout.placement import ReplicatedParam, local
 from lightning_mics.comm.telemetry import CommLog
 
@@ -72,7 +71,7 @@ class ReplicatedReducer:
         layout = self._layouts.get(key)
         if layout is None:
             trainable = [rp for rp in self.params if rp.requires_grad]
-            runs = C.bucket_runs([rp.local.numel() for rp in trainable], self.bucket_numel)
+            runs = collectives.bucket_runs([rp.local.numel() for rp in trainable], self.bucket_numel)
             # the last bucket exists even when empty: it carries the flags
             layout = [[trainable[k] for k in run] for run in runs] or [[]]
             self._layouts[key] = layout
@@ -99,7 +98,7 @@ class ReplicatedReducer:
         if self.world_size > 1:  # the flags travel with the gradients ([Note: flags without a wait])
             buf = torch.cat(parts + [_upload(flags, self.device)])
             buf[: buf.numel() - flags.numel()].mul_(1.0 / self.world_size)
-            work = C.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
+            work = collectives.all_reduce_sum(buf, self.group, async_op=True, log=self.log, group_name=self.group_name)
             grads = list(buf.split([p.numel() for p in parts] + [flags.numel()]))[:-1]
         self._launched.append(_Launched(bucket, grads, buf, flags, work))
 
@@ -117,7 +116,7 @@ class ReplicatedReducer:
         ``extra_flags`` of ``launch_rest``, a value > 0 where any rank set it (their sum over the world, or this
         rank's own flags where it set every one)."""
         for launched in self._launched:
-            C.wait(launched.work, self.log)
+            collectives.wait(launched.work, self.log)
         summed = [launched.flags for launched in self._launched]  # [Note: flags without a wait]
         if self.world_size > 1 and not all(bool(f.all()) for f in summed):
             n = [f.numel() for f in summed]  # a flag this rank lacks: every bucket's summed flags in one read

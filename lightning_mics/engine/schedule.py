@@ -20,34 +20,14 @@ that unit is gathered when it runs. So the live elements never exceed the cap pl
 buffers and its full storage together, for the copy-out).
 
 [Note: keep for backward]
-Releasing a unit at the end of its forward and gathering it again at the start of its backward is waste for
-the units whose backward comes first: the root (the loss is computed in it) and the last unit to start its
-forward. Those stay gathered from forward into backward when grad is enabled (FSDP2 does the same for its
-root), within the cap; anything kept and not used is released at the end of backward, at the next iteration,
-or after an optimizer step. Inside an accumulation window (micro-batches before the boundary) the root also
-stays gathered from one micro-batch's backward into the next one's forward, where it is needed first: the
-parameters cannot change before the optimizer step, whose hook releases it. Kept units are idle, so the cap
-evicts them first when something must be gathered ([Note: live cap]).
-
-``reshard_after_forward=False`` keeps *every* unit gathered from its forward into its backward: one all-gather
-per unit per micro-batch instead of two, for models whose gathered parameters fit. The cap still holds: kept
-units are idle, so gathering the next unit evicts the earliest kept ones first, which are then gathered again
-in backward.
-
-[Note: evaluations inside a step]
-An optimizer step given a closure evaluates it inside its body, after the step's pre-hook and before the update:
-Lightning's Trainer always passes one (the training step and its backward, then ``on_before_optimizer_step`` and
-clipping), and LBFGS evaluates it again after moving the masters. Units gathered meanwhile (pinned between steps
-under ZeRO-1; kept after a forward whose backward did not come) lend plain parameters that user code may write, so:
-
-- their writes are taken after each evaluation, Lightning's hooks after it included (``MiCSEngine.evaluations``),
-  not in the pre-hook that runs before it: ZeRO-1 lost a clamp made in ``on_before_optimizer_step`` (4.1 from DDP);
-- before an evaluation after the first, the masters may have moved: the units are treated as after a step
-  (refreshed if pinned or in use, released otherwise). ZeRO-1's pinned copies stayed at the step's start, and
-  LBFGS ended 0.16 from DDP;
-- after the update, a unit still gathered holds the masters as they were before it: it is released without
-  taking its plain parameters as writes. A unit kept after a forward whose backward never ran (Lightning's
-  ``StochasticWeightAveraging`` batch-norm epoch) had its update taken back that way (0.010 from DDP at s = 2).
+The units whose backward comes first, the root (it computes the loss) and the last unit to start its forward,
+stay gathered from forward into backward when grad is enabled (as FSDP2 keeps its root): releasing and gathering
+them again is waste. Inside an accumulation window the root also stays gathered from one micro-batch's backward
+into the next one's forward, which needs it first: the parameters cannot change before the optimizer step, whose
+hook releases it. ``reshard_after_forward=False`` keeps *every* unit from its forward into its backward (one
+all-gather per unit per micro-batch instead of two). Kept units are idle, so when something must be gathered the
+cap evicts them first, the earliest kept first, to be gathered again in backward ([Note: live cap]); what is kept
+and not used is released at the end of backward, at the next iteration, or after an optimizer step.
 """
 
 from __future__ import annotations
@@ -107,8 +87,7 @@ class Schedule:
         for unit in self.units:
             if unit.depth == 0 and unit is not self.root:
                 unit.release()
-        self.root.take_exposed()  # written since the last pass: into the masters, and across with the rows
-        self.exchange_rows()
+        self.exchange_rows()  # after the root's writes came back (``UserCodeBoundary.iteration_begins``)
         if self._forward_seen:
             self.forward_order = self._forward_seen
         self._forward_seen = []
@@ -166,10 +145,8 @@ class Schedule:
         forward without grad (evaluation) no backward follows, so nothing prefetched may linger."""
         if not (grad and self.keep_after_forward(unit)):
             unit.release()
-        elif not unit.pinned:  # a pinned unit's writes are taken before the step reads the masters
-            unit.exposed = True  # [Note: writes between steps] in lent.py
         if unit is self.root and not grad:
-            self.quiesce(pinned=False)
+            self.release_idle(pinned=False)
 
     def releases_after_backward(self, unit: Unit, boundary: bool) -> bool:
         """Whether ``unit`` is released once its backward is done (``boundary``: this backward ends an
@@ -182,24 +159,8 @@ class Schedule:
     def after_backward(self, unit: Unit, boundary: bool) -> None:
         if self.releases_after_backward(unit, boundary):
             unit.release()
-            return
-        if not unit.pinned:  # a pinned unit's writes are taken before the step reads the masters
-            unit.exposed = True  # [Note: writes between steps] in lent.py
-        if boundary and (unit.pinned or unit.depth > 0):  # [Note: masters moved outside a step] in lent.py
-            unit.may_fall_behind()
 
-    def catch_up(self, unit: Unit, outermost: bool) -> None:
-        """A forward enters ``unit``: if the masters may have moved since its plain parameters were filled, what user
-        code wrote to them is taken, the rows cross the replicas and the unit is gathered again
-        ([Note: masters moved outside a step] in lent.py). Collective over the shard group (and the replica group with
-        rows over replicas), decided alike on every rank. The version counters are read at the ``outermost`` entry only:
-        a nested one comes at every call of a module holding a root parameter (under ZeRO-1, every module)."""
-        if unit.behind or (outermost and unit.written_in_place()):
-            unit.take_writes()
-            self.exchange_rows()
-            unit.refresh()
-
-    def quiesce(self, pinned: bool = True) -> None:
+    def release_idle(self, pinned: bool = True) -> None:
         """Releases every unit that is not running (waiting for its prefetch): before a state dict or a save,
         so the modules hold their DTensor masters, and after a pass without grad, so no gather lingers
         (``pinned=False``: pinned units stay, as between training steps)."""
@@ -213,21 +174,18 @@ class Schedule:
         ([Note: rows between steps] in optimizer_rows.py). Collective over the replica group."""
         exchange([u.optimizer_rows for u in self.units if u.optimizer_rows is not None])
 
-    def take_writes(self) -> None:
-        """Every gathered unit's plain parameters into the masters where user code wrote them, before the masters
-        are read: the optimizers' pre-step hook, a sharded save ([Note: writes between steps] in lent.py). A gather
-        still in flight reads the masters the step writes next: it is released first, its result stale anyway
-        ([Note: streams and buffer lifetime] in collectives.py)."""
+    def release_gathers_in_flight(self) -> None:
+        """A gather still in flight reads the masters, which a step is about to write: released, its result stale
+        anyway ([Note: streams and buffer lifetime] in collectives.py)."""
         for unit in self.units:
             if unit.state is ShardedState.GATHERING and not unit.in_use:
                 unit.release()
-            unit.take_writes()
 
     def after_optimizer_step(self) -> None:
-        """The masters moved: post-step hook of every optimizer, and before a step's closure is evaluated again
-        ([Note: evaluations inside a step]). The updated rows are due across the replicas ([Note: rows between steps] in
-        optimizer_rows.py); units still in use, or pinned, get the new values; idle ones are released, their plain
-        parameters (the masters before the step, their writes taken then) left out of the masters."""
+        """The masters moved: after every optimizer step, and before a step's closure is evaluated again
+        ([Note: evaluations inside a step] in user_code/boundary.py). The updated rows are due across the replicas
+        ([Note: rows between steps] in optimizer_rows.py); units still in use, or pinned, get the new values; idle
+        ones are released, their plain parameters (the masters before the step, written back then) left out."""
         for unit in self.units:
             unit.rows_stepped()
         for unit in self.units:

@@ -8,15 +8,14 @@ import enum
 import inspect
 import math
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from lightning_mics.comm import collectives as C
-from lightning_mics.comm import quantized as Q
+from lightning_mics.comm import collectives
+from lightning_mics.comm import quantized
 from lightning_mics.engine.full_storage import FullStorage
-from lightning_mics.engine.lent import Lent
 from lightning_mics.engine.optimizer_rows import OptimizerRows
 from lightning_mics.layout.placement import ReplicatedParam, Rows, ShardedParam, local
 from lightning_mics.layout.sharding import UnitPlan
@@ -24,6 +23,16 @@ from lightning_mics.comm.telemetry import CommLog
 from lightning_mics.layout.topology import Topology
 
 AnyParam = Union[ShardedParam, ReplicatedParam]
+
+
+class Lending(Protocol):
+    """What a unit tells the user-code boundary of its own transitions (user_code/boundary.py)."""
+
+    def filled(self, unit: "Unit") -> None: ...  # its plain parameters were just filled from the masters
+
+    def releasing(self, unit: "Unit", stale: bool) -> None: ...  # it goes back to its shard (``stale``: after a step)
+
+    def dropped(self, unit: "Unit") -> None: ...  # reset after a failure, no collective
 
 
 def _weak_hook(fn: Callable, arg: Any = None) -> Callable[[Tensor], None]:
@@ -75,13 +84,11 @@ class Unit:
 
     def __init__(self, plan: UnitPlan, topo: Topology, *, param_dtype: Optional[torch.dtype],
                  reduce_dtype: torch.dtype, kernels: str, log: CommLog, device: torch.device,
-                 nodes: Optional[C.NodeGroups] = None, pinned: bool = False,
-                 quantize: Optional[Q.QuantizeSpec] = None, optimizer_over_replicas: bool = False,
-                 lends: bool = False) -> None:
-        """``lends``: the unit may stay gathered while user code runs (the root, a pinned unit):
-        [Note: masters moved outside a step] in lent.py."""
+                 nodes: Optional[collectives.NodeGroups] = None, pinned: bool = False,
+                 quantize: Optional[quantized.QuantizeSpec] = None, optimizer_over_replicas: bool = False
+                 ) -> None:
         self.path = plan.path or "<root>"
-        self.quantize = quantize or Q.QuantizeSpec()  # quantize_allgather: the two-hop gather's first hop in int8
+        self.quantize = quantize or quantized.QuantizeSpec()  # quantize_allgather: the two-hop gather's first hop in int8
         self.module = plan.module
         self.topo, self.kernels, self.log = topo, kernels, log
         log.bind(device)  # its waits stall this device ([Note: time waiting on communication] in telemetry.py)
@@ -131,7 +138,8 @@ class Unit:
             start += n
         self.storage.release()
         self._live = 0  # elements this unit holds gathered ([Note: live cap] in schedule.py)
-        self.lent = Lent(self.params, self.full_views, self.shard_flat, self._delivered, keeps_base=lends or pinned)
+        # told of fills and releases: the user-code boundary ([Note: the user-code boundary] in user_code/boundary.py)
+        self.lending: Optional[Lending] = None
 
         self.replicated: List[ReplicatedParam] = [
             ReplicatedParam(i, pp.refs, pp.param, topo.mesh, device) for i, pp in enumerate(plan.replicated)]
@@ -140,12 +148,11 @@ class Unit:
         self.training_state = TrainingState.IDLE
         self.is_prefetched = False  # issued by the schedule, not yet run
         self.pinned = pinned  # gathered once and kept ([Note: optimizer-state-only sharding] in gradients.py)
-        self.exposed = False  # kept gathered after a pass: user code may write it (lent.py)
         self.depth = 0  # nested forward calls in progress
         self.pending_post_backward = 0  # forward calls whose post-backward has not fired
         self.registered_post_backward = 0  # forward calls (this iteration) that hooked their inputs
         self.accumulated = 0  # trainable full parameters whose gradient autograd accumulated this backward
-        self._gather: Optional[C.AllGatherResult] = None
+        self._gather: Optional[collectives.AllGatherResult] = None
         self.on_accumulated: Optional[Any] = None  # the hooks' post-accumulate-grad hooks, sharded params
         self.on_replicated: Optional[Any] = None  # and replicated ones (called with the ReplicatedParam)
         self.hook_handles: Dict[int, Any] = {}  # registered lazily: only a tensor that requires grad takes one
@@ -161,8 +168,8 @@ class Unit:
         """Elements of the buffers of this unit's gather in flight ([Note: live cap] in schedule.py)."""
         if not self.params:
             return 0
-        row_bytes = Q.wire_bytes(self.shard_flat.numel(), 1, self.quantize.block_size) if self._int8_gather else 0
-        return C.gather_numel(self.shard_flat.numel(), self.s, self.nodes, row_bytes, self.param_dtype.itemsize)
+        row_bytes = quantized.wire_bytes(self.shard_flat.numel(), 1, self.quantize.block_size) if self._int8_gather else 0
+        return collectives.gather_numel(self.shard_flat.numel(), self.s, self.nodes, row_bytes, self.param_dtype.itemsize)
 
     @property
     def stored_numel(self) -> int:
@@ -198,7 +205,6 @@ class Unit:
         return self.depth == 1
 
     def begin_forward(self) -> None:
-        self.take_exposed()
         self.training_state = TrainingState.FORWARD
 
     def exit_forward(self) -> bool:
@@ -223,7 +229,6 @@ class Unit:
         """A pre-backward hook fired; True for the first one of this backward pass."""
         if self.training_state is TrainingState.PRE_BACKWARD:
             return False
-        self.take_exposed()  # before its reduce-scatter may stage in the full storage ([Note: staging in place])
         self.training_state = TrainingState.PRE_BACKWARD
         return True
 
@@ -284,7 +289,8 @@ class Unit:
         if self.state is not ShardedState.SHARDED:
             return
         self.settle_rows()
-        self.lent.filled()
+        if self.lending is not None:
+            self.lending.filled(self)
         self._set_live(self.gather_numel)  # before its buffers exist ([Note: live cap] in schedule.py)
         if self.params:
             self._gather = self._all_gather(async_op=True)
@@ -299,11 +305,11 @@ class Unit:
             self.issue_gather()
         if self.params:
             res, self._gather = self._gather, None
-            out = C.gathered(res, self.log)
+            out = collectives.gathered(res, self.log)
             self._set_live(self._live + self.stored_numel)  # both, for the copy-out
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.full_flat):
                 self.storage.fill(self.pinned, self.log)
-                C.copy_out(out, self.full_views, self.s, self.kernels)
+                collectives.copy_out(out, self.full_views, self.s, self.kernels)
             del res, out  # the gather's buffers go
         self._set_live(self.stored_numel)
         self._swap_full()
@@ -315,15 +321,15 @@ class Unit:
         """Whether the gather's first hop carries int8 blocks ([Note: quantized traffic] in options.py)."""
         return self.nodes is not None and self.quantize.allgather
 
-    def _all_gather(self, async_op: bool) -> C.AllGatherResult:
+    def _all_gather(self, async_op: bool) -> collectives.AllGatherResult:
         if self._int8_gather:
-            return Q.quantized_all_gather_two_hop(self.shard_flat, self.nodes, self.quantize.block_size,
+            return quantized.quantized_all_gather_two_hop(self.shard_flat, self.nodes, self.quantize.block_size,
                                                   dtype=self.param_dtype, async_op=async_op, log=self.log,
                                                   kernels=self.kernels)
         if self.nodes is not None:
-            return C.all_gather_two_hop(self.shard_flat, self.nodes, dtype=self.param_dtype, async_op=async_op,
+            return collectives.all_gather_two_hop(self.shard_flat, self.nodes, dtype=self.param_dtype, async_op=async_op,
                                         log=self.log, kernels=self.kernels)
-        return C.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
+        return collectives.all_gather_flat(self.shard_flat, self.topo.shard_group, self.s, dtype=self.param_dtype,
                                  async_op=async_op, log=self.log, kernels=self.kernels)
 
     def release(self, force: bool = False, stale: bool = False) -> None:
@@ -331,65 +337,36 @@ class Unit:
         stays gathered unless ``force``. ``stale``: the masters moved since the gather (an optimizer step)."""
         if self.state is ShardedState.SHARDED or (self.pinned and not force):
             return
-        if (self.pinned or self.exposed) and not stale:
-            self.take_writes()  # plain parameters that user code could write, into the masters
+        if self.lending is not None:  # plain parameters that user code could write, into the masters
+            self.lending.releasing(self, stale)
         if self._gather is not None:  # a prefetch never used, both hops issued ([Note: chained collectives])
-            C.wait(self._gather.work, self.log)  # waited for alike on every rank: the same events decide it
+            collectives.wait(self._gather.work, self.log)  # waited for alike on every rank: the same events decide it
             self._gather = None
         self._swap_sharded()
         self.storage.release()  # or the last reduce-scatter reading it frees it ([Note: staging in place])
         self.state = ShardedState.SHARDED
-        self.is_prefetched = self.exposed = False
-        self.lent.returned()
+        self.is_prefetched = False
         self._set_live(0)
 
     def refresh(self) -> None:
         """After an optimizer step, a unit still in use gets the new values ([Note: version counters]); also a unit
-        behind the masters ([Note: masters moved outside a step] in lent.py)."""
+        whose masters user code moved ([Note: masters moved outside a step] in user_code/write_back.py)."""
         if not self.params or self.state is not ShardedState.GATHERED:
             return
         self.settle_rows()
-        self.lent.filled()
+        if self.lending is not None:
+            self.lending.filled(self)
         self._set_live(self.stored_numel + self.gather_numel)
-        out = C.gathered(self._all_gather(async_op=False), self.log)
+        out = collectives.gathered(self._all_gather(async_op=False), self.log)
         self.storage.settle(self.log)
         with torch.no_grad():  # an in-place write: it bumps the version counter, as an optimizer step does
-            C.copy_out(out, self.full_views, self.s, self.kernels)
+            collectives.copy_out(out, self.full_views, self.s, self.kernels)
         self._set_live(self.stored_numel)
 
-    def take_exposed(self) -> None:
-        """A pass uses a unit kept gathered since the last one: what user code wrote in between, into the masters."""
-        if self.exposed:
-            self.take_writes()
-            self.exposed = False
-
-    def take_writes(self) -> None:
-        """[Note: writes between steps] in lent.py: a gathered unit's plain parameters into this rank's master rows,
-        wherever a write outside the optimizer step changed them."""
-        if self.state is ShardedState.GATHERED and self.params:
-            self.lent.take()
-
-    @property
-    def behind(self) -> bool:
-        """Whether the masters may have moved since the plain parameters were filled
-        ([Note: masters moved outside a step] in lent.py)."""
-        return self.state is ShardedState.GATHERED and self.lent.behind
-
-    def written_in_place(self) -> bool:
-        """Whether an in-place op wrote one of the optimizer's DTensors since the plain parameters were filled
-        ([Note: masters moved outside a step] in lent.py); O(parameters)."""
-        return self.state is ShardedState.GATHERED and self.lent.written_in_place()
-
-    def may_fall_behind(self) -> None:
-        """A backward that ends an accumulation window ran while user code holds the unit gathered: the masters
-        may move before its next forward ([Note: masters moved outside a step] in lent.py)."""
-        if self.state is ShardedState.GATHERED and self.params:
-            self.lent.behind = True
-
-    def _delivered(self, shard: Tensor) -> Tensor:
+    def delivered(self, shard: Tensor) -> Tensor:
         """``shard`` as its gather delivers it, up to the cast to param_dtype: itself, or the int8 round trip of
         the whole shard (its blocks span parameters)."""
-        return Q.round_trip(shard, self.quantize.block_size, self.param_dtype, self.kernels) \
+        return quantized.round_trip(shard, self.quantize.block_size, self.param_dtype, self.kernels) \
             if self._int8_gather else shard
 
     # -- the optimizer's rows over replicas ([Note: optimizer rows over replicas] in optimizer_rows.py) ----------
@@ -412,7 +389,7 @@ class Unit:
         """Local reset after a failure: no collective, no wait (a peer may be gone) but for the optimizer rows in
         flight, until ``rows_deadline`` ([Note: rows when a run ends] in optimizer_rows.py)."""
         if self._gather is not None:
-            C.abandon(self._gather.work)  # [Note: chained collectives] in collectives.py
+            collectives.abandon(self._gather.work)  # [Note: chained collectives] in collectives.py
         self._gather = None
         if self.optimizer_rows is not None:
             self.optimizer_rows.drop(rows_deadline)
@@ -423,7 +400,8 @@ class Unit:
         self._set_live(0)
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.is_prefetched = self.exposed = False
-        self.lent.returned()
+        self.is_prefetched = False
+        if self.lending is not None:
+            self.lending.dropped(self)
         self.depth = 0
         self.clear_counters()

@@ -5,18 +5,17 @@ strategy in ``frontends/trainer.py``), with the same options (:class:`lightning_
 ``L.Fabric(strategy="mics")`` works, as does ``L.Fabric(strategy=lightning_mics.fabric.MiCSStrategy(...))``.
 
 [Note: Fabric's loop]
-- ``fabric.setup(model, optimizer)``: the module is sharded (an engine per module, all on one mesh) and the
-  optimizer, built over the plain parameters, is moved onto the shards. ``fabric.setup_module(model)`` then an
-  optimizer built from ``model.parameters()`` and ``fabric.setup_optimizers(optimizer)`` does the same in two
-  steps; an optimizer built before ``setup_module`` and set up after it is refused (its parameters are no longer
-  the module's). ``fabric.init_module(empty_init=True)`` creates the model on the meta device; setting it up
-  materializes only this rank's shards ([Note: sharded initialization] in materialize.py).
-- ``with fabric.no_backward_sync(model, enabled=is_accumulating): fabric.backward(loss)``: every backward
-  reduce-scatters its gradients inside the sharding group into the sharded accumulator; the replica all-reduce
-  runs only at a backward outside the context (or with ``enabled=False``): MiCS's 2-hop sync. Without the context
-  every backward pays it, and the gradients add up alike. Gradients stay sharded throughout.
-- ``fabric.clip_gradients``: by norm over the unsharded model's gradients (clip.py), or by value on the shards.
-- The module called anywhere (evaluation, sampling) gathers its units as during training: full parameters.
+- ``fabric.setup(model, optimizer)`` shards the module (an engine per module, all on one mesh) and moves the
+  optimizer, built over the plain parameters, onto the shards; so do ``setup_module`` and then ``setup_optimizers``
+  of an optimizer over ``model.parameters()``. One built before ``setup_module`` and set up after it is refused (its
+  parameters are no longer the module's). Under ``init_module(empty_init=True)`` setup materializes only this
+  rank's shards ([Note: sharded initialization] in materialize.py).
+- ``fabric.no_backward_sync(model, enabled=is_accumulating)`` around ``fabric.backward``: every backward
+  reduce-scatters in the shard group into the sharded accumulator, and the replica all-reduce (MiCS's 2-hop sync)
+  runs only at a backward outside the context or with ``enabled=False``; without the context every backward pays
+  it, with the same sums. Gradients stay sharded throughout.
+- ``fabric.clip_gradients`` clips by norm over the unsharded model's gradients (clip.py) or by value on the shards;
+  the module called anywhere (evaluation, sampling) gathers its units as in training: full parameters.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mics.frontends import fabric_checkpoint as fc
-from lightning_mics.frontends import shared as F
+from lightning_mics.frontends import shared
 from lightning_mics.frontends.precision import sharded_scaler
 from lightning_mics.frontends import reliability
 from lightning_mics.frontends import fault_tolerance as ft
@@ -58,7 +57,7 @@ def _fail(option: str, value: Any, allowed: str) -> None:
     raise ValueError(f"MiCSStrategy option {option}={value!r} is invalid under Fabric: allowed is {allowed}.")
 
 
-class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
+class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     """MiCS sharded data parallelism for Fabric: model state sharded over s ranks, replicated r = world / s
     times; the options of :class:`lightning_mics.options.MiCSConfig`."""
 
@@ -72,7 +71,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision)
         self.options: MiCSOptions = config_from(options).freeze()  # [Note: one option list] in options.py
-        F.check_checkpoint_io(self.options, checkpoint_io)
+        shared.check_checkpoint_io(self.options, checkpoint_io)
         if self.options.tensor_parallel_degree != 1:
             _fail("tensor_parallel_degree", self.options.tensor_parallel_degree,
                   "1 (a tensor-parallel plan is applied by the Trainer strategy's configure_model)")
@@ -91,7 +90,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
 
     @ParallelStrategy.checkpoint_io.setter  # type: ignore[attr-defined]
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:  # L.Fabric(plugins=[io]) sets it here
-        F.check_checkpoint_io(self.options, io)
+        shared.check_checkpoint_io(self.options, io)
         self._checkpoint_io = io
 
     # -- layout -----------------------------------------------------------------------------------------------
@@ -108,7 +107,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         if type(self.precision) not in (Precision, MixedPrecision, HalfPrecision) or precision not in _PRECISIONS:
             raise ValueError(f"Fabric precision plugin {type(self.precision).__name__} (precision={precision!r}) "
                              f"is not supported by MiCSStrategy: allowed precision is one of {_PRECISIONS}.")
-        F.check_precision(self.options, precision)
+        shared.check_precision(self.options, precision)
         if self.options.fault_tolerance:
             ft.check_environment()
         return self.options.validate_world(self.num_nodes * self.num_processes, self._ranks_per_node())
@@ -134,7 +133,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: List[Optimizer],
                                     scheduler: Optional[Any] = None) -> Any:
         """The module sharded and each optimizer moved onto its shards with its state (collective)."""
-        module = self._shard(module, [F.unwrap(o) for o in optimizers])
+        module = self._shard(module, [shared.unwrap(o) for o in optimizers])
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     @override
@@ -149,10 +148,10 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             raise ValueError("MiCSStrategy: this module is already set up; allowed is one fabric.setup or "
                              "fabric.setup_module per module.")
         warn = None if self._warned_flat else self._warn_flat
-        options = self.options.resolved(self.precision.precision, F.hierarchical(self.options, self.topology, warn))
-        engine = F.shard(module, self.topology, options, self.root_device, optimizers)
+        options = self.options.resolved(self.precision.precision, shared.hierarchical(self.options, self.topology, warn))
+        engine = shared.shard(module, self.topology, options, self.root_device, optimizers)
         self._engines.append(engine)
-        F.log_model_state(engine, self.global_rank, _log)
+        shared.log_model_state(engine, self.global_rank, _log)
         engine.pin()  # ZeRO-1: plain parameters from setup on; an optimizer built from them is pointed at the shards
         return module
 
@@ -168,14 +167,14 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             raise ValueError("MiCSStrategy: fabric.setup_optimizers(optimizer) before any module was set up: set up "
                              "the module first (model = fabric.setup_module(model)), then build the optimizer from "
                              "model.parameters(), or pass both to fabric.setup(model, optimizer).")
-        F.point_at_shards(optimizer)
-        engine = F.engine_holding(optimizer)
+        shared.point_at_shards(optimizer)
+        engine = shared.engine_holding(optimizer)
         where = ("Set up the module first (model = fabric.setup_module(model)), then build the optimizer from "
                  "model.parameters() and call fabric.setup_optimizers(optimizer), or pass both to "
                  "fabric.setup(model, optimizer)")
-        F.check_optimizer(engine or self._engines[-1], optimizer, where)
+        shared.check_optimizer(engine or self._engines[-1], optimizer, where)
         if engine is not None:
-            self._step_hooks.extend(engine.watch_steps(optimizer))
+            self._step_hooks.extend(engine.user_code.watch(optimizer))
         self._optimizers.append(optimizer)
         if self.options.fault_tolerance:  # [Note: joining at the current step] in fault_tolerance.py
             self._start_fault_tolerance(engine)
@@ -216,13 +215,14 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         if self.options.stop_on_nonfinite:
-            reliability.checked(lambda: None, F.unwrap(optimizer), lambda: self._steps, self.root_device)()
-        engine = F.engine_holding(F.unwrap(optimizer))
+            reliability.checked(lambda: None, shared.unwrap(optimizer), lambda: self._steps, self.root_device)()
+        engine = shared.engine_holding(shared.unwrap(optimizer))
         step = nullcontext()
-        if engine is not None and kwargs.get("closure") is not None:  # [Note: evaluations inside a step]
-            kwargs["closure"], step = engine.evaluations(kwargs["closure"]), engine.closure_step()  # in schedule.py
+        # [Note: evaluations inside a step] in user_code/boundary.py
+        if engine is not None and kwargs.get("closure") is not None:
+            kwargs["closure"], step = engine.user_code.evaluations(kwargs["closure"]), engine.user_code.closure_step()
         with step:
-            if self.fault_tolerance is not None:  # [Note: a step not taken]; the next step's quorum at once
+            if self.fault_tolerance is not None:  # [Note: a step not taken] in fault_tolerance.py; next quorum now
                 out = super().optimizer_step(optimizer, **kwargs) if self.fault_tolerance.commit() else None
                 self.fault_tolerance.quorum()
             else:
@@ -237,7 +237,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                             norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
         """The norm of the unsharded model's gradients, reduced over the shard group (the same on every rank)."""
         self.precision.unscale_gradients(optimizer)
-        total = F.clip_norm(optimizer, float(max_norm), self.topology, float(norm_type))
+        total = shared.clip_norm(optimizer, float(max_norm), self.topology, float(norm_type))
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients is non-finite, so it cannot "
                                "be clipped (fabric.clip_gradients(..., error_if_nonfinite=False) clips anyway).")
@@ -246,7 +246,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
         self.precision.unscale_gradients(optimizer)
-        F.clip_value([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
+        shared.clip_value([p for g in optimizer.param_groups for p in g["params"]], float(clip_val))
 
     # -- collectives for the loop -----------------------------------------------------------------------------
     @override
@@ -273,7 +273,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def get_module_state_dict(self, module: nn.Module) -> Dict[str, Any]:
         """The full state dict (fp32 masters) on rank 0, {} elsewhere. Collective."""
-        engine = F.engine_of(module)
+        engine = shared.engine_of(module)
         if engine is None:
             return super().get_module_state_dict(module)
         return engine.full_state_dict(dst=0)
@@ -281,7 +281,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
         fc._load_module(module, state_dict, strict)
-        engine = F.engine_of(module)
+        engine = shared.engine_of(module)
         if engine is not None:
             engine.pin()
 
@@ -292,11 +292,11 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         (FSDP2) strategy, so torch's ``get_optimizer_state_dict(model, optimizer)`` works on the Fabric wrapper and a
         call on one rank alone cannot hang. The full state: ``fabric.save`` with ``state_dict_type="full"``, or
         torch's API with ``StateDictOptions(full_state_dict=True)``."""
-        return F.unwrap(optimizer).state_dict()
+        return shared.unwrap(optimizer).state_dict()
 
     def model_state_bytes(self, module: nn.Module, optimizers: List[Optimizer] = ()) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer state this rank holds for ``module``."""
-        return F.engine_of(module).model_state_bytes([F.unwrap(o) for o in optimizers])
+        return shared.engine_of(module).model_state_bytes([shared.unwrap(o) for o in optimizers])
 
     @override
     def teardown(self) -> None:
@@ -306,11 +306,11 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             h.remove()
         self._step_hooks.clear()
         for engine in self._engines:
-            optimizers = [o for o in self._optimizers if F.engine_holding(o) is engine]
-            F.finish(engine, self.options, optimizers, failed=False)
+            optimizers = [o for o in self._optimizers if shared.engine_holding(o) is engine]
+            shared.finish(engine, self.options, optimizers, failed=False)
         self._engines.clear()
         self._optimizers.clear()
-        self._topology = F.release_unused(self._topology)
+        self._topology = shared.release_unused(self._topology)
         if self.fault_tolerance is not None:
             self.fault_tolerance.shutdown()
             self.fault_tolerance = None
@@ -332,7 +332,7 @@ class _MiCSBackwardSync(_BackwardSyncControl):
 
 @contextmanager
 def _deferred(module: nn.Module, enabled: bool) -> Generator[None, None, None]:
-    engine = F.engine_of(module)
+    engine = shared.engine_of(module)
     if engine is None:
         raise ValueError("MiCSStrategy: fabric.no_backward_sync(model) needs a model set up by this strategy "
                          "(fabric.setup or fabric.setup_module).")

@@ -2,17 +2,16 @@
 ``load_checkpoint``).
 
 [Note: Fabric checkpoints]
-``fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})`` writes, by default
-(``state_dict_type="sharded"``), a directory in the layout of [Note: checkpoint layout] (checkpoint/files.py): every
-module's state under its own key and every optimizer's state by parameter name under its key go through DCP (the
-DTensor shards themselves: nothing is gathered); the rest of the dict (numbers, ``state_dict()`` of stateful
-objects such as schedulers) goes to ``meta.pt`` with the marker, whose ``fabric`` entry names the module and
-optimizer keys. With ``state_dict_type="full"`` rank 0 writes one file, the dict a plain process would save with
-Fabric: each module's full state dict (fp32 masters, gathered unit by unit) and each optimizer's
-``state_dict()`` keyed by position, and nothing else (no marker: ``fabric.load`` returns a plain process's
-remainder from it). Both load into any layout (s, r) and with the same keys;
-``lightning_mics.consolidate`` turns a directory into the full form in one process. Loading checks the files
-and the keys on every rank, and the ranks agree before any collective ([Note: checks before collectives]).
+``fabric.save(path, state)`` writes by default (``state_dict_type="sharded"``) a directory in the layout of
+[Note: checkpoint layout] (checkpoint/files.py): each module's and each optimizer's state (by parameter name), under
+their own keys, go through DCP as the DTensor shards themselves, nothing gathered; the rest of ``state`` (numbers,
+``state_dict()`` of stateful objects such as schedulers) goes to ``meta.pt`` with the marker, whose ``fabric`` entry
+names the module and optimizer keys. With ``state_dict_type="full"`` rank 0 writes the one file a plain process
+would save with Fabric (each module's full state dict of fp32 masters, gathered unit by unit; each optimizer's
+``state_dict()`` keyed by position) and no marker: ``fabric.load`` returns a plain process's remainder from it.
+Both load into any layout (s, r) with the same keys; ``lightning_mics.consolidate`` turns a directory into the full
+form in one process. A load checks the files and the keys on every rank, and the ranks agree before any collective
+([Note: checks before collectives]).
 """
 
 from __future__ import annotations

@@ -4,19 +4,16 @@
 Lightning hands a parallel strategy its ``LayerSync`` in ``strategy._layer_sync``; DDP and FSDP apply it when a fit
 sets up (``BatchNorm`` -> ``SyncBatchNorm``: batch statistics over every data-parallel rank) and revert it at the
 fit's teardown. Under MiCS the swap must come before the engine shards the module: each unit holds the module of
-every parameter it gathers into (``sharding.ParamRef``), so a layer swapped afterwards would be one the engine
-never fills. Hence:
-
-- a plain module is converted, then sharded; the fit's teardown reverts it once the module is plain again
-  ([Note: after fit] in frontends/shared.py), as DDP's does;
-- a module a previous fit left sharded (larger than ``max_live_parameters``) cannot have its layers swapped. It
-  keeps the layers that fit left it: converted ones if that fit synced them (remembered here), which the next fit
-  syncing layers continues with; asked to sync layers it holds unconverted, the fit is refused;
-- torch's ``SyncBatchNorm`` computes on cuda, xpu and hpu tensors only (its forward raises otherwise, and DDP refuses
-  it on CPU when it wraps the module): on another device the fit is refused at setup, naming the option.
-
-Each check reads only the module and the device, which every rank holds alike, and runs before the engine's
-first collective: the ranks refuse together.
+every parameter it gathers into (``sharding.ParamRef``), so a layer swapped afterwards is one the engine never fills.
+- A plain module is converted, then sharded; the fit's teardown reverts it once the module is plain again
+  ([Note: after fit] in frontends/shared.py), as DDP's does.
+- A module a previous fit left sharded (larger than ``max_live_parameters``) cannot have its layers swapped: it keeps
+  the layers that fit left it, converted if that fit synced them (remembered here), which a next fit syncing layers
+  continues with; a fit asked to sync layers it holds unconverted is refused.
+- torch's ``SyncBatchNorm`` computes on cuda, xpu and hpu tensors only (DDP refuses it on CPU too): on another
+  device the fit is refused at setup, naming the option.
+Each check reads only the module and the device, alike on every rank, before the engine's first collective: the
+ranks refuse together.
 """
 
 from __future__ import annotations

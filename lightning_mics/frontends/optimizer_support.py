@@ -2,27 +2,27 @@
 
 [Note: optimizers over DTensors]
 The optimizer steps the sharded parameters as DTensors on the (replicate, shard) mesh, as under FSDP2: each
-operation of its step runs on this rank's rows, and DTensor's rules say what an operation across rows needs
-(a norm's partial sums, a matmul's redistribution). So an elementwise optimizer steps exactly what it steps under
-DDP, and one that mixes rows is still right where DTensor has the rule: of torch.optim's optimizers, ASGD,
-Adadelta, Adagrad, Adam, AdamW, Adamax, Muon, NAdam, RAdam, RMSprop and SGD (Muon's bfloat16 Newton-Schulz up to
-the order of a matmul's partial sums). Where a rule is missing, the step would fail at its first call with DTensor's
-sharding-propagation error. Those are refused here instead, naming the optimizer, the operation and the
-parameter, with what is allowed:
-- a fused kernel without a rule (torch 2.13: ``SGD`` and ``Adagrad`` with ``fused=True``): read from DTensor's
-  rule tables;
+operation runs on this rank's rows, and DTensor's rules say what one across rows needs (a norm's partial sums, a
+matmul's redistribution). So an elementwise optimizer steps exactly what it steps under DDP, and one that mixes
+rows is right where DTensor has the rule: torch.optim's ASGD, Adadelta, Adagrad, Adam, AdamW, Adamax, Muon, NAdam,
+RAdam, RMSprop and SGD (Muon's bfloat16 Newton-Schulz up to the order of a matmul's partial sums). Where a rule is
+missing the first step would fail with DTensor's sharding-propagation error; such an optimizer is refused at
+setup instead, naming the optimizer, the operation, the parameter and what is allowed:
+- a fused kernel without a rule (torch 2.13: ``SGD`` and ``Adagrad`` with ``fused=True``), from DTensor's tables;
 - ``LBFGS`` flattens each gradient (``view(-1)``): not for rows that do not split evenly over the group;
 - ``Rprop``'s single-tensor step masks in place (``sign[sign.gt(0)] = etaplus``), which DTensor does not do on
-  sharded rows; its foreach step (torch's default on GPUs) copies with ``_foreach_copy_``, which has no rule;
+  sharded rows, and its foreach step (torch's default on GPUs) copies with ``_foreach_copy_``, which has no rule;
 - ``Adafactor`` squares a norm across the sharded rows in place (its column statistics): not for a sharded
   parameter of two or more dimensions.
-These three are probed: the very operation their step runs, on a detached parameter of each distinct layout,
-so a refusal lifts by itself where torch gains the rule (an even model runs LBFGS). A probe runs on this rank's
-own rows, and with ``shard_optimizer_state`` the replicas step rows of different sizes, so whether it fails is
-decided per rank. Rather than rely on every layout failing alike, the ranks agree first (one
-``all_gather_object`` of their answers, every rank probing the same optimizer at the same point of setup) and all
-raise the first refusing rank's message. An optimizer of one's own is not probed: DTensor's
-error at its first step names the operation.
+
+[Note: optimizer probes]
+LBFGS, Rprop and Adafactor are probed: the very operation their step runs, on a detached parameter of each
+distinct layout, so a refusal lifts by itself where torch gains the rule (an even model runs LBFGS). A probe runs
+on this rank's own rows, and with ``shard_optimizer_state`` the replicas step rows of different sizes, so its
+answer is per rank: the ranks agree first (one ``all_gather_object``, every rank probing the same optimizer at the
+same point of setup) and all raise the first refusing rank's message, since a rank raising alone would leave the
+others waiting in their first step's collectives. An optimizer of one's own is not probed: DTensor's error at its
+first step names the operation.
 """
 
 from __future__ import annotations

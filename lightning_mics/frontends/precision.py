@@ -22,21 +22,21 @@ class _OverShards:
     def clip_grad_by_norm(self, optimizer, clip_val) -> None:  # type: ignore[override]
         self._mics_clip(optimizer, float(clip_val))
 
-    # [Note: evaluations inside a step] in schedule.py: every step Lightning runs evaluates a closure (the training
+    # [Note: evaluations inside a step] in user_code/boundary.py: every step Lightning runs evaluates a closure (the training
     # step and its backward, then the hooks before the step and clipping: ``_after_closure``), inside the step
     def optimizer_step(self, optimizer, model, closure, **kwargs):  # type: ignore[override]
-        with self._mics_engine.closure_step() if self._mics_engine is not None else nullcontext():
+        with self._mics_engine.user_code.closure_step() if self._mics_engine is not None else nullcontext():
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
     def _wrap_closure(self, model, optimizer, closure):  # type: ignore[override]
         if self._mics_engine is not None:
-            self._mics_engine.evaluating()
+            self._mics_engine.user_code.evaluating()
         return super()._wrap_closure(model, optimizer, closure)
 
     def _after_closure(self, model, optimizer) -> None:  # type: ignore[override]
         super()._after_closure(model, optimizer)
         if self._mics_engine is not None:
-            self._mics_engine.evaluated()
+            self._mics_engine.user_code.evaluated()
 
 
 class MiCSPrecision(_OverShards, Precision):

@@ -2,41 +2,37 @@
 
 [Note: a lone failure]
 A rank that raises alone (an out-of-memory error in its ``training_step``, a bad batch, a callback on rank 0
-only) leaves its peers blocked in the next collective, which it never joins. With gloo the peers are freed as
-soon as the failing rank's sockets close, and that happens only when its process groups are destructed: at
-process exit, or never while the process lingers (a logger uploading, a script that catches the error and
-carries on) -- then the peers wait out ``timeout`` (30 minutes by default). ``ProcessGroup.abort()`` alone does
-not close gloo's sockets (measured: the peer stays blocked until the process exits); destroying every group and
-dropping the last references does (the peer's collective fails within milliseconds with "Connection closed by
-peer").
+only) leaves its peers blocked in the next collective, which it never joins. Under gloo they are freed only when
+its sockets close: ``ProcessGroup.abort()`` does not close them; destructing its process groups does, at process
+exit, or never while the process lingers (a logger uploading, a script that catches the error and carries on),
+and then the peers wait out ``timeout`` (30 minutes by default). So on a lone failure (told apart by
+[Note: a failure on every rank]) the rank destroys every process group and drops the last references: each peer's
+pending collective fails within milliseconds ("Connection closed by peer"), ends its own ``fit`` with an error and
+its process exits; the job ends with the failing rank's traceback. Out of reach: an asynchronous collective of the
+failing rank that no peer will match makes destructing its group wait for it; the engine's schedule issues the
+same collectives in the same order on every rank, so a prefetch in flight is matched by the peers' own.
 
-But a failure on *every* rank alike (the same error at the same step) must leave the groups alone: the user may
-catch it and ``fit`` again in the same process, as under DDP. So on an exception each rank adds one to a counter
-in the default group's store (a TCP key-value store, not a collective: it answers while the groups are blocked)
-and waits up to ``GRACE_S`` for the counter to reach the world size. Every rank failed: the groups stay. Not all
-within the grace (a lone failure), or the store is gone (its host died): destroy every process group, so each
-peer's pending collective fails at once, ends its own ``fit`` with an error and its process exits; the job ends
-with the failing rank's traceback in its output. Ranks that fail alike reach their exception within a step of
-each other (every unit's gather keeps them in lockstep), far below the grace. The engine is put back after that
-answer and knowing it: after a failure alike it may still wait, bounded, for what every rank issued
+[Note: a failure on every rank]
+A failure on *every* rank alike (the same error at the same step) must leave the groups alone: the user may catch
+it and ``fit`` again in the same process, as under DDP. So on an exception each rank adds one to a counter in the
+default group's store (a TCP key-value store, not a collective: it answers while the groups are blocked) and
+waits up to ``GRACE_S`` for it to reach the world size. Every rank failed: the groups stay. Not all within the
+grace, or the store is gone (its host died): a lone failure. Ranks that fail alike reach their exception within a
+step of each other (every unit's gather keeps them in lockstep), far below the grace. The engine is put back after
+that answer: after a failure alike it may still wait, bounded, for what every rank issued
 ([Note: rows when a run ends] in optimizer_rows.py); after a lone one it waits for nothing.
 
-One case stays out of reach: the failing rank had an asynchronous collective in flight that no peer will ever
-match; destructing its group then waits for that collective. The engine's schedule issues the same collectives
-in the same order on every rank, so a prefetch in flight is matched by the peers' own.
-
 [Note: a dead rank on NCCL]
-The handling above was built and tested on gloo, where a peer blocks in a host call. On NCCL a peer blocks on
-the GPU: its kernel waits for a rank that never joins while its host runs ahead until it next reads device data.
-Three things end such a job. (1) The launcher: the failing rank destroys its groups (NCCL: its communicators are
-aborted) and exits; torchrun's agent then kills every other worker of the job, and Lightning's own launcher kills
-its child ranks when one exits non-zero (every 5 s; a failed rank 0 is the launcher itself: its children are left
-to (3)). (2) NCCL: a transport that sees the peer's connection close reports an asynchronous error, and torch's
-watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, torch's default: abort and end the process) ends that rank.
-(3) ``timeout``: the watchdog aborts a collective that runs longer, on every group ([Note: the timeout of every group]
-in frontends/shared.py). The engine sets no NCCL variable: blocking waits would stall the host at every step. Multi-rank
-NCCL has not run here (one GPU at most): on several GPUs use torchrun and a ``timeout`` near the longest healthy
-collective (checkpoints included).
+[Note: a lone failure] holds on gloo, where a peer blocks in a host call. On NCCL a peer blocks on the GPU: its
+kernel waits for a rank that never joins while its host runs ahead until it next reads device data. Three things
+end such a job. (1) The launcher: the failing rank destroys its groups (NCCL: its communicators are aborted) and
+exits; torchrun's agent then kills every other worker, and Lightning's launcher kills its child ranks when one
+exits non-zero (every 5 s; a failed rank 0 is the launcher itself: its children are left to (3)). (2) NCCL: a
+transport that sees the peer's connection close reports an asynchronous error, and torch's watchdog
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``, by default abort and end the process) ends that rank. (3) ``timeout``: the
+watchdog aborts a collective that runs longer, on every group ([Note: the timeout of every group] in
+frontends/shared.py). The engine sets no NCCL variable: blocking waits would stall the host at every step. Not
+run on several GPUs: there, use torchrun and a ``timeout`` near the longest healthy collective (checkpoints too).
 
 [Note: host reads per step]
 A host read of device data waits for the device's queued work. A steady-state optimizer step reads only: with
@@ -59,7 +55,7 @@ from torch import Tensor
 from lightning_mics.layout import topology as T
 from lightning_mics.layout.placement import local
 
-GRACE_S = 5.0  # [Note: a lone failure]
+GRACE_S = 5.0  # [Note: a failure on every rank]
 _POLL_S = 0.05
 _failures = 0  # exceptions seen by this process: the store key of each, the same on ranks that fail alike
 
@@ -83,14 +79,14 @@ def every_rank_failed(grace: float = GRACE_S) -> bool:
 
 
 def on_failure(reset: Callable[[bool], None], grace: float = GRACE_S) -> bool:
-    """On an exception in ``fit``/``validate``/...: ``reset(alike)`` puts the engine back (``alike``: every rank
-    failed alike, so the groups stay and every rank issued the same collectives); then, unless alike, every
+    """On an exception in ``fit``/``validate``/...: ``reset(on_every_rank)`` puts the engine back (``on_every_rank``:
+    every rank failed the same way, so the groups stay and every rank issued the same collectives); then, unless so, every
     process group is destroyed so that the peers' collectives fail now rather than at ``timeout``. True if the
     groups were destroyed."""
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    alike = not distributed or every_rank_failed(grace)
-    reset(alike)
-    if alike:
+    on_every_rank = not distributed or every_rank_failed(grace)
+    reset(on_every_rank)
+    if on_every_rank:
         return False
     T.release_all_groups()
     return True

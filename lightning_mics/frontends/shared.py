@@ -63,7 +63,7 @@ from lightning_mics.layout import topology as T
 from lightning_mics.frontends.clip import clip_grad_norm_
 from lightning_mics.options import MiCSOptions, optimizer_state_only
 from lightning_mics.engine.engine import MiCSEngine
-from lightning_mics.engine.optimizer_hooks import held_optimizers
+from lightning_mics.engine.user_code.optimizer_watch import held_optimizers
 from lightning_mics.frontends.optimizer_support import step_refusal
 from lightning_mics.layout.topology import Topology, build_topology, plan_layout
 
@@ -319,8 +319,8 @@ def point_at_shards(optimizer: torch.optim.Optimizer) -> None:
 
 def check_optimizer(engine: MiCSEngine, optimizer: torch.optim.Optimizer, where: str) -> None:
     """Refuses an optimizer built over parameters that are not the sharded module's (built too early), and one
-    whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer),
-    before any step."""
+    whose step DTensor cannot run ([Note: optimizers over DTensors]). Alike on every rank (the same optimizer;
+    [Note: optimizer probes] in optimizer_support.py), before any step."""
     ours = {id(p) for p in engine.sharded_params()}
     for group in optimizer.param_groups:  # (one it holds may step other parameters: watched, not refused)
         for p in group["params"]:
@@ -383,7 +383,7 @@ def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.
     released. Returns True when it stays sharded (the engine stays, for checkpoints and state dicts)."""
     if failed or not fits_whole(engine, options):
         if not failed:
-            engine.quiesce()  # the last step's optimizer rows land ([Note: rows when a run ends])
+            engine.release_idle()  # the last step's optimizer rows land ([Note: rows when a run ends])
         engine.reset(keep_feedback=not failed)
         return True
     make_plain(engine, optimizers)

@@ -33,11 +33,11 @@ from torch import Tensor
 from typing_extensions import override
 
 import lightning.pytorch as pl
-from lightning_mics.comm import collectives as C
-from lightning_mics.frontends import shared as F
+from lightning_mics.comm import collectives
+from lightning_mics.frontends import shared
 from lightning_mics.frontends import layer_sync
 from lightning_mics.frontends import reliability
-from lightning_mics.frontends import trainer_checkpoint as sc
+from lightning_mics.frontends import trainer_checkpoint
 from lightning_mics.frontends import weight_averaging
 from lightning_mics.frontends import fault_tolerance as ft
 from lightning_mics.frontends import trainer_quorum
@@ -71,7 +71,7 @@ class _MiCSModule(nn.Module):
         return self.module(*args, **kwargs)
 
 
-class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
+class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     """MiCS sharded data parallelism: model state sharded over s ranks, replicated r = world / s times.
 
     Options are those of :class:`lightning_mics.options.MiCSConfig` (SageMaker's ``sdp_*`` knobs).
@@ -96,7 +96,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.options: MiCSOptions = config_from(options).freeze()  # [Note: one option list] in options.py
-        F.check_checkpoint_io(self.options, checkpoint_io)
+        shared.check_checkpoint_io(self.options, checkpoint_io)
         # class names resolve now, before any process or collective, with the option named in the error
         resolve_classes(self.options.shard_units, "shard_units")
         resolve_classes(self.options.activation_checkpointing, "activation_checkpointing")
@@ -121,7 +121,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
 
     @ParallelStrategy.checkpoint_io.setter  # type: ignore[attr-defined]
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:  # Trainer(plugins=[io]) sets it here
-        F.check_checkpoint_io(self.options, io)
+        shared.check_checkpoint_io(self.options, io)
         self._checkpoint_io = io
 
     def _warn_flat(self, message: str) -> None:
@@ -170,7 +170,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._validate_layout()  # before any process is launched: every rank would raise alike anyway
         if self.options.fault_tolerance:
             ft.check_environment()
-        F.check_precision(self.options, self.precision_plugin.precision)
+        shared.check_precision(self.options, self.precision_plugin.precision)
         if not self.cluster_environment.creates_processes_externally:
             if self._start_method == "popen":
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
@@ -198,7 +198,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync is not None:  # [Note: layer sync] in layer_sync.py
-            self.model = layer_sync.apply(self._layer_sync, self.model, F.engine_of(self.lightning_module) is not None,
+            self.model = layer_sync.apply(self._layer_sync, self.model, shared.engine_of(self.lightning_module) is not None,
                                           self.root_device)
         self.precision_plugin = to_mics_precision(self.precision_plugin, self.root_device)
         self.precision_plugin._mics_clip = self.clip_grad_norm_
@@ -209,28 +209,28 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()  # wraps the optimizers in LightningOptimizers (again)
         if fitting:  # their zero_grad is torch's, run on the wrapper: not the hook on the optimizer
-            self._step_hooks.extend(self.engine.follow_zero_grad(opt) for opt in self._lightning_optimizers)
-        sc.route(self, trainer)
+            self._step_hooks.extend(self.engine.user_code.follow_zero_grad(opt) for opt in self._lightning_optimizers)
+        trainer_checkpoint.route(self, trainer)
         self.engine.pin()  # ZeRO-1: plain parameters from on_fit_start on, as under DDP
         if fitting:  # [Note: weight averaging over the shards] in weight_averaging.py
             self._step_hooks.extend(weight_averaging.shard_averages(trainer, self.lightning_module, self.engine.units))
         if fitting and self.options.fault_tolerance:  # [Note: joining at the current step] in fault_tolerance.py
-            self.fault_tolerance = trainer_quorum.start(trainer, self.engine, [F.unwrap(o) for o in self.optimizers],
-                                                        self.root_device, self.options)
+            self.fault_tolerance = trainer_quorum.start(
+                trainer, self.engine, [shared.unwrap(o) for o in self.optimizers], self.root_device, self.options)
 
     def _engine_options(self) -> MiCSOptions:
         warn = None if self._warned_flat else self._warn_flat
         return self.options.resolved(self.precision_plugin.precision,
-                                     F.hierarchical(self.options, self.topology, warn))
+                                     shared.hierarchical(self.options, self.topology, warn))
 
     def _shard_model(self, fitting: bool) -> None:
         """[Note: optimizers follow the module] in frontends/shared.py: a fit builds its optimizers afresh after this;
         validate/test/predict keep fit's, which follow the module onto the shards."""
         module = self.lightning_module
-        optimizers = [] if fitting else F.optimizers_of(module, self.optimizers)
-        self._engine = F.shard(module, self.topology, self._engine_options(), self.root_device, optimizers)
+        optimizers = [] if fitting else shared.optimizers_of(module, self.optimizers)
+        self._engine = shared.shard(module, self.topology, self._engine_options(), self.root_device, optimizers)
         self.model = _MiCSModule(module)
-        F.log_model_state(self._engine, self.global_rank, _log)
+        shared.log_model_state(self._engine, self.global_rank, _log)
 
     @override
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -238,11 +238,11 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         super().setup_optimizers(trainer)
         engine = self.engine
         for opt in self.optimizers:
-            F.point_at_shards(F.unwrap(opt))
-            F.check_optimizer(engine, F.unwrap(opt), "Build optimizers in configure_optimizers from "
+            shared.point_at_shards(shared.unwrap(opt))
+            shared.check_optimizer(engine, shared.unwrap(opt), "Build optimizers in configure_optimizers from "
                               "self.parameters() (or named_parameters()), after the strategy has sharded the module")
-            self._step_hooks.extend(engine.watch_steps(F.unwrap(opt)))
-        self.precision_plugin._mics_engine = engine  # [Note: evaluations inside a step] in schedule.py
+            self._step_hooks.extend(engine.user_code.watch(shared.unwrap(opt)))
+        self.precision_plugin._mics_engine = engine  # [Note: evaluations inside a step] in user_code/boundary.py
 
     @override
     def model_to_device(self) -> None:
@@ -269,7 +269,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         batch = super().batch_to_device(batch, device, dataloader_idx)
         t = self.options.tensor_parallel_degree
         if t > 1 and not self.options.prescaled_batch:
-            batch = C.all_gather_batch(batch, self.topology.mesh.get_group("tp"), t)
+            batch = collectives.all_gather_batch(batch, self.topology.mesh.get_group("tp"), t)
         return batch
 
     @override
@@ -303,7 +303,7 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         if self.options.stop_on_nonfinite:
             trainer = self.lightning_module.trainer
-            closure = reliability.checked(closure, F.unwrap(optimizer), lambda: trainer.global_step, self.root_device)
+            closure = reliability.checked(closure, shared.unwrap(optimizer), lambda: trainer.global_step, self.root_device)
         if self.fault_tolerance is not None:  # [Note: a step not taken] in fault_tolerance.py
             out = self.fault_tolerance.step(closure, lambda c: ParallelStrategy.optimizer_step(
                 self, optimizer, c, model, **kwargs))
@@ -331,11 +331,11 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
                 logger.log_metrics(self.comm_stats, step=step)
 
     def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        return F.clip_norm(optimizer, max_norm, self.topology, norm_type)
+        return shared.clip_norm(optimizer, max_norm, self.topology, norm_type)
 
     def model_state_bytes(self) -> Dict[str, int]:
         """Bytes of parameters, gradients and optimizer state held by this rank."""
-        return self.engine.model_state_bytes([F.unwrap(o) for o in self.optimizers])
+        return self.engine.model_state_bytes([shared.unwrap(o) for o in self.optimizers])
 
     # -- collectives for the loops ------------------------------------------------------------------
     @override
@@ -347,14 +347,14 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
 
     # -- state: [Note: checkpoint state] in frontends/trainer_checkpoint.py ---------------------------------------
     def _sharded(self) -> bool:
-        return self._engine is not None and F.engine_of(self.lightning_module) is self._engine
+        return self._engine is not None and shared.engine_of(self.lightning_module) is self._engine
 
     def _live_engine(self) -> Optional[MiCSEngine]:
         return self._engine if self._sharded() else None
 
     @_outside_inference
     def _checkpoint_model_state(self) -> Dict[str, Any]:
-        return sc.checkpoint_model_state(self)
+        return trainer_checkpoint.checkpoint_model_state(self)
 
     @override
     def lightning_module_state_dict(self) -> Dict[str, Any]:
@@ -367,18 +367,18 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     @_outside_inference
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        sc.load_model_state_dict(self, checkpoint, strict)
+        trainer_checkpoint.load_model_state_dict(self, checkpoint, strict)
         if self._live_engine() is not None:
             self.engine.pin()  # the load released ZeRO-1's pinned unit: gathered again from the loaded masters
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-        return sc.optimizer_state(self, optimizer)
+        return trainer_checkpoint.optimizer_state(self, optimizer)
 
     @override
     @_outside_inference
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        sc.load_optimizer_state_dict(self, checkpoint)
+        trainer_checkpoint.load_optimizer_state_dict(self, checkpoint)
 
     @property
     @override
@@ -388,16 +388,16 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
     @override
     @_outside_inference
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        sc.save_checkpoint(self, checkpoint, filepath, storage_options)
+        trainer_checkpoint.save_checkpoint(self, checkpoint, filepath, storage_options)
 
     @override
     @_outside_inference
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        return sc.load_checkpoint(self, checkpoint_path, weights_only)
+        return trainer_checkpoint.load_checkpoint(self, checkpoint_path, weights_only)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        sc.remove_checkpoint(self, filepath)
+        trainer_checkpoint.remove_checkpoint(self, filepath)
 
     # -- end ----------------------------------------------------------------------------------------
     @override
@@ -409,16 +409,16 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self.precision_plugin._mics_engine = None
         keep_sharded = False
         if self._engine is not None:
-            optimizers = [F.unwrap(o) for o in self.optimizers]
-            keep_sharded = F.finish(self._engine, self.options, optimizers, self._failed)
+            optimizers = [shared.unwrap(o) for o in self.optimizers]
+            keep_sharded = shared.finish(self._engine, self.options, optimizers, self._failed)
             if not keep_sharded:
                 self._engine = None
-        self._topology = F.release_unused(self._topology)
+        self._topology = shared.release_unused(self._topology)
         self._failed = False
         trainer_quorum.stop(self, wait=True)
         if self.lightning_module is not None:
             self.model = self.lightning_module
-            if self._layer_sync is not None and F.engine_of(self.lightning_module) is None:
+            if self._layer_sync is not None and shared.engine_of(self.lightning_module) is None:
                 self.model = layer_sync.revert(self._layer_sync, self.model)  # [Note: layer sync]
         if keep_sharded:  # Lightning's teardown moves the module to CPU: not a sharded one (its mesh stays)
             self.precision_plugin.teardown()
@@ -433,9 +433,9 @@ class MiCSStrategy(F.ProcessLayout, ParallelStrategy):
         self._failed = True  # no collective from here on: a peer may be gone
         engine = self._engine
 
-        def reset(alike: bool) -> None:  # [Note: rows when a run ends] in optimizer_rows.py
+        def reset(on_every_rank: bool) -> None:  # [Note: rows when a run ends] in optimizer_rows.py
             if engine is not None:
-                engine.reset(rows_wait_s=reliability.GRACE_S if alike else 0.0)
+                engine.reset(rows_wait_s=reliability.GRACE_S if on_every_rank else 0.0)
 
         trainer_quorum.stop(self, wait=False)  # the other groups' traffic with this one fails at once
         reliability.on_failure(reset)  # [Note: a lone failure] in reliability.py

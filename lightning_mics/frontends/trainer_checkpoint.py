@@ -108,14 +108,14 @@ def _as_sharded_state(strategy: Strategy, state_dict: Any) -> Dict[str, Any]:
     """The state dict Lightning's dump handed over, as the ``on_save_checkpoint`` hooks left it, for a sharded save,
     as DDP saves it: an entry of the module's in the module's sharded layout (``checkpoint_model_state``'s shards,
     or ``WeightAveraging``'s average in their place: under ZeRO-1 plain copies, sliced here;
-    [Note: weight averaging over the shards] in weight_averaging.py); an entry a hook removed stays out (a finetuning
+    [Note: averages in checkpoints] in weight_averaging.py); an entry a hook removed stays out (a finetuning
     run saving its trainable weights only) and one it added is saved as given. DCP needs the same names on every rank
     (the hooks run on every rank); if the ranks disagree (a hook that edited on rank 0 alone), the module's shards are
     saved instead, with a warning. Collective."""
     own = ckpt.model_state(strategy.lightning_module, strategy._live_engine())
     names = hashlib.sha1("\n".join(sorted(map(str, state_dict))).encode()).hexdigest() \
         if isinstance(state_dict, Mapping) else None
-    if not steps.alike(names) or names is None:
+    if not steps.same_on_every_rank(names) or names is None:
         if names is not None:
             rank_zero_warn("MiCSStrategy: the checkpoint's state_dict holds other names on some ranks than on rank "
                            "0 (an on_save_checkpoint hook that edits it on one rank only); the module's shards are "

@@ -1,41 +1,38 @@
 """Lightning's ``WeightAveraging`` callbacks (EMA, SWA) over the shards.
 
 [Note: weight averaging over the shards]
-``WeightAveraging.setup`` wraps a deep copy of the LightningModule in torch's ``AveragedModel`` before the strategy
-shards the module, and after every optimizer step averages ``pl_module.parameters()`` into it parameter by
-parameter, in order. Under the strategy those are DTensor shards (ZeRO-1's pinned unit: plain copies), so the
-plain copy fails at its first update with DTensor's mixed-tensor error, and it would hold the whole model on every
-rank. At setup, once the module is sharded, the strategy swaps in an ``AveragedModel`` of a *shadow*: a module of the
-LightningModule's own names (every submodule in the same order, parameters and buffers registered as in the
-original, tied ones tied) holding clones of its parameters as they are between steps. So each rank averages its
-own shards, with the callback's own ``avg_fn`` / ``multi_avg_fn``, and holds 1/s of the average; the callback's
-plain copy is freed. Everything else is the callback's code, unchanged:
+``WeightAveraging.setup`` wraps a deep copy of the LightningModule, made before sharding, in torch's
+``AveragedModel`` and after every optimizer step averages ``pl_module.parameters()`` into it in order. Those are
+DTensor shards (ZeRO-1's pinned unit: plain copies), so the plain copy would fail at its first update (DTensor's
+mixed-tensor error) and hold the whole model on every rank. Once the module is sharded the strategy swaps in an
+``AveragedModel`` of a *shadow*: a module of the LightningModule's own names (submodules in order, parameters and
+buffers registered as in the original, tied ones tied) holding clones of its parameters as they are between
+steps. Each rank averages its own shards with the callback's ``avg_fn`` / ``multi_avg_fn`` and holds 1/s of the
+average; the rest is the callback's code. Validation's swap of average and parameters (``.data.copy_``, and back)
+is a write between steps ([Note: writes between steps] in user_code/write_back.py, [Note: rows between steps] in
+optimizer_rows.py); the end of fit copies the average into the parameters. Under ZeRO-1 with mixed precision the
+parameters between steps are ``param_dtype`` copies of the fp32 masters (DDP's are fp32), so that swap would round
+the average at every validation: refused at setup, with a ``ValueError`` on every rank.
 
-- validation swaps average and parameters with ``.data.copy_`` and back: writes between steps
-  ([Note: writes between steps] in lent.py, [Note: rows between steps] in optimizer_rows.py), which the engine takes as
-  any other;
-- ``on_save_checkpoint`` puts the shadow's state dict (the module's keys, DTensors of the module's placements) in
-  ``state_dict``, which the sharded save writes as the model's, and the module's own in ``current_model_state``
-  (DTensors beside the model: [Note: DTensors beside the model] in checkpoint/beside.py); the full format gathers
-  both;
-- ``on_load_checkpoint`` copies ``state_dict`` into the shadow and ``current_model_state`` into the module with
-  ``load_state_dict``: a load pre-hook on both puts each entry in the layout of the tensor it goes into (a full
-  file's tensors sliced, the checkpoint's DTensors redistributed to the optimizer's rows, gathered for ZeRO-1's
-  plain copies); loads that place tensors (``assign=True``: the engine's own full load) pass untouched;
-- at the end of fit the average is copied into the parameters, and the module is gathered from them as after any
-  fit.
+[Note: averages in checkpoints]
+``on_save_checkpoint`` puts the shadow's state dict (the module's keys, DTensors of the module's placements) in
+``state_dict``, which the sharded save writes as the model's, and the module's own in ``current_model_state``
+([Note: DTensors beside the model] in checkpoint/beside.py); the full format gathers both. ``on_load_checkpoint``
+copies ``state_dict`` into the shadow and ``current_model_state`` into the module with ``load_state_dict``: a load
+pre-hook on both puts each entry in the layout of the tensor it goes into (a full file's tensors sliced, the
+checkpoint's DTensors redistributed to the optimizer's rows, gathered for ZeRO-1's plain copies); loads that place
+tensors (``assign=True``: the engine's own full load) pass untouched.
 
-Under ZeRO-1 with mixed precision the module's parameters between steps are ``param_dtype`` copies of the fp32
-masters (DDP's are fp32): the callback's swap through them would round the average at every validation, so that
-combination is refused at setup with a ``ValueError`` on every rank.
-
-``StochasticWeightAveraging`` (Lightning's older callback; Lightning refuses it under FSDP) deep-copies the whole
-LightningModule at setup and averages ``parameters()`` into the copy's, in order, once per epoch: its copy is swapped
-for a shadow the same way (its state dict the module's keys, DTensors of the module's placements, in the callback's
-checkpoint state: [Note: DTensors beside the model]). The rest is its code: the ``SWALR`` schedule put in place of
-the user's, the average copied into the parameters (writes between steps) and, for a model with batch norm, the extra
-epoch of forwards without backward that recomputes the running statistics, whose closing step reuses the last
-gradients ([Note: evaluations inside a step] in schedule.py). The same refusal under ZeRO-1 with mixed precision.
+[Note: SWA over the shards]
+``StochasticWeightAveraging`` (Lightning's older callback, refused by Lightning under FSDP) deep-copies the whole
+LightningModule at setup and averages ``parameters()`` into the copy's, in order, once per epoch. Its copy is
+swapped for a shadow as in [Note: weight averaging over the shards], its state dict (the module's keys, DTensors of
+the module's placements) kept in the callback's checkpoint state ([Note: DTensors beside the model] in
+checkpoint/beside.py). The rest is its code: the ``SWALR`` schedule put in place of the user's, the average copied
+into the parameters (writes between steps) and, for a model with batch norm, the extra epoch of forwards without
+backward that recomputes the running statistics, whose closing step reuses the last gradients
+([Note: evaluations inside a step] in user_code/boundary.py). ZeRO-1 with mixed precision is refused as for
+``WeightAveraging``.
 """
 
 from __future__ import annotations

@@ -2,17 +2,16 @@
 
 [Note: sharded initialization]
 A model created under ``trainer.init_module(empty_init=True)`` or on the meta device in ``configure_model`` has
-shapes and no storage. The units allocate their flat shards (and replicated parameters) on the device, then
-modules are initialized one at a time, in module order, as Lightning's FSDP strategy does it: each module
-that holds meta parameters or buffers gets fresh full tensors for just its own, runs its
-``reset_parameters()``, and its sharded parameters keep this rank's rows. So a rank holds its shards plus one
-module's parameters at a time, and draws the random numbers in the same order as constructing the model on a
-real device with the same seed would: the values are equal to non-sharded initialization whenever the
-model's initialization is its modules' ``reset_parameters`` (nn.Linear, nn.Embedding, nn.LayerNorm, ... do
-this). A parameter held by two modules (tied weights) ends as the later module's ``reset_parameters`` leaves
-it, where construction on a real device keeps whatever the tie assigned last. Initialization written elsewhere (in a parent's ``__init__``, e.g. ``self.apply(init_fn)``) never runs
-on meta tensors; put it in ``reset_parameters``. A module with meta tensors and no ``reset_parameters``, or
-whose ``reset_parameters`` leaves one of them unwritten (checked: the fresh tensors start as NaN), is refused.
+shapes and no storage. The units allocate their flat shards (and replicated parameters) on the device; then, as
+Lightning's FSDP strategy does, modules are initialized one at a time in module order: each module holding meta
+parameters or buffers gets fresh full tensors for just its own, runs its ``reset_parameters()``, and its sharded
+parameters keep this rank's rows. So a rank holds its shards plus one module's parameters, and draws the random
+numbers in the order construction on a real device with the same seed would: the values equal non-sharded
+initialization whenever the model's initialization is its modules' ``reset_parameters`` (nn.Linear, nn.Embedding,
+nn.LayerNorm, ...). A tied parameter ends as the later module's ``reset_parameters`` leaves it, where construction
+keeps what the tie assigned last. Initialization written elsewhere (``self.apply(init_fn)`` in a parent's
+``__init__``) never runs on meta tensors: put it in ``reset_parameters``. A module with meta tensors and no
+``reset_parameters``, or whose ``reset_parameters`` leaves one unwritten (the fresh tensors start as NaN), is refused.
 """
 
 from __future__ import annotations

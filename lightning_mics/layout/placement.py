@@ -1,22 +1,18 @@
 """Explicit placement: every parameter the optimizer sees is a DTensor on the (replicate, shard) mesh.
 
 [Note: placement]
-A *sharded* parameter of shape (d0, *rest) is cut on dim 0 into s chunks of c = ceil(d0 / s) rows
-(``torch.chunk``'s rows, the last chunks shorter or empty). Rank j of a shard group keeps chunk j, zero-padded
-to c rows, inside its unit's flat shard ([Note: rank-major layout] in collectives.py). The optimizer sees a
-DTensor with placements (Replicate(), Shard(0)) whose local tensor is the *unpadded* rows of that chunk, a
-view into the flat shard: an optimizer step writes the flat shard in place, and the next all-gather reads it.
-Its gradient is a DTensor with the same spec. This is FSDP2's ``FSDPParam`` layout, and DTensor's own
-uneven Shard(0) rule gives exactly these rows, so DCP, ``full_tensor()`` and redistribution all agree with it.
-
-A *replicated* parameter (small, or s == 1) is a DTensor with placements (Replicate(), Replicate()) whose
-local tensor is the whole parameter. Its plain twin (a Parameter over the same storage) is what the modules
-hold while their unit runs, and what autograd accumulates the local gradient into.
-
-While a unit runs, its modules hold plain *full* parameters: for sharded ones, views into the unit's gathered
-buffer (storage freed while the unit is sharded); for replicated ones, the plain twin. Consumers (clipping,
-checkpoints, the full state dict, the optimizer-state gather) read placement from the DTensor, never from
-shapes or ids.
+A *sharded* parameter of shape (d0, *rest) is cut on dim 0 into s chunks of c = ceil(d0 / s) rows (torch.chunk's
+rows, the last chunks shorter or empty); rank j of a shard group keeps chunk j, zero-padded to c rows, in its
+unit's flat shard ([Note: rank-major layout] in collectives.py). The optimizer sees a DTensor placed (Replicate(),
+Shard(0)) whose local tensor is the chunk's *unpadded* rows, a view into the flat shard: a step writes the flat
+shard in place, and the next all-gather reads it. Its gradient has the same spec. This is FSDP2's ``FSDPParam``
+layout, and DTensor's own uneven Shard(0) rule gives exactly these rows, so DCP, ``full_tensor()`` and
+redistribution agree with it. A *replicated* parameter (small, or s == 1) is a DTensor placed (Replicate(),
+Replicate()) holding the whole parameter; its plain twin (a Parameter over the same storage) is what the modules
+hold while their unit runs and what autograd accumulates the local gradient into. While a unit runs, its modules
+hold plain *full* parameters: views into its gathered buffer (storage freed while sharded), or the plain twins.
+Consumers (clipping, checkpoints, the full state dict, the optimizer-state gather) read placement from the
+DTensor, never from shapes or ids.
 
 [Note: tensor-parallel placement]
 With a "tp" mesh axis the user's plan has already made some parameters DTensors on it (ColwiseParallel:
@@ -237,11 +233,11 @@ class ShardedParam(_Placed):
         region = flat_shard[offset:offset + rows.padded_numel].view(rows.chunk, *self.shape[1:])
         self.padded = region  # (c, *rest); rows past local_rows stay zero
         self.local = region[: rows.local_rows]  # the chunk this rank holds (and gathers from)
-        self.stepped = self.local[rows.sub_lo:rows.sub_hi] if over_replicas else self.local  # the optimizer's rows
-        self.sharded = nn.Parameter(as_dtensor(self.stepped, self.spec), requires_grad=orig.requires_grad)
+        self.optimizer_local = self.local[rows.sub_lo:rows.sub_hi] if over_replicas else self.local  # the optimizer's rows
+        self.sharded = nn.Parameter(as_dtensor(self.optimizer_local, self.spec), requires_grad=orig.requires_grad)
         self._watch_rebinding()
         # what a sharded checkpoint holds: the chunk, in the layout without optimizer rows over replicas
-        self.held = as_dtensor(self.local, make_spec(mesh, True, orig.shape, flat_shard.dtype,
+        self.checkpoint_view = as_dtensor(self.local, make_spec(mesh, True, orig.shape, flat_shard.dtype,
                                                      tp_placement(orig))) if over_replicas else self.sharded
         self.full: Optional[nn.Parameter] = None  # set by the unit (a view of its gathered buffer): make_full
         self.meta = orig.is_meta  # values still to come ([Note: sharded initialization] in materialize.py)
@@ -268,7 +264,7 @@ class ShardedParam(_Placed):
     def reattach(self, view: Tensor) -> None:
         """``p.data = x`` on the plain parameter (a rebinding, not a write in place) moved it off ``view``, the unit's
         storage: its values go into ``view`` and it views that again, so the write is taken as any other
-        ([Note: writes between steps] in lent.py). A DTensor's ``.data = x`` leaves its local tensor as it was
+        ([Note: writes between steps] in user_code/write_back.py). A DTensor's ``.data = x`` leaves its local tensor as it was
         (torch)."""
         if self.full is not None and self.tp_spec is None and self.full.data_ptr() != view.data_ptr():
             view.copy_(self.full.data)
@@ -303,7 +299,7 @@ class ReplicatedParam(_Placed):
         self._watch_rebinding()
         self.full = nn.Parameter(as_dtensor(data, self.tp_spec) if self.tp_spec is not None else data,
                                  requires_grad=orig.requires_grad)
-        self.held = self.sharded  # what a sharded checkpoint holds (as ``ShardedParam.held``)
+        self.checkpoint_view = self.sharded  # what a sharded checkpoint holds (as ``ShardedParam.checkpoint_view``)
 
     def local_rows_of(self, full: Tensor) -> Tensor:
         """This rank's part of a global tensor: the tensor-parallel part, or the whole tensor."""

@@ -1,20 +1,21 @@
 """Which parameters go to which gather/release unit, and which stay replicated.
 
 [Note: units]
-A unit is a module whose parameters are all-gathered together before its forward (and again before its
-backward) and released after. By default every child of every ``nn.ModuleList`` is a unit (a transformer's
-blocks); ``shard_units`` names module classes instead. The root (the LightningModule) is always a unit and
-owns every parameter no other unit owns. Units may nest: a parameter belongs to the innermost unit that
-contains every module referencing it. So a weight tied between ``wte`` and ``lm_head`` lands in their
-common ancestor unit, and ``register_parameter(module, param)`` (the seed's case of a module using another
-module's weight in its forward) widens a parameter's owner to include ``module``. A module of a named class
-that the user ``torch.compile``d on its own (torchtitan's per-block compile) is a unit through its compiled
-wrapper: the hooks sit outside the compiled graph, which stays whole (``fullgraph=True`` holds).
+A unit is a module whose parameters are all-gathered together before its forward (and again before its backward)
+and released after. By default every child of every ``nn.ModuleList`` is a unit (a transformer's blocks);
+``shard_units`` names module classes instead. The root (the LightningModule) is always a unit and owns every
+parameter no other unit owns. Units may nest: a parameter belongs to the innermost unit containing every module
+that references it, so a weight tied between ``wte`` and ``lm_head`` lands in their common ancestor unit, and
+``register_parameter(module, param)`` (a module using another module's weight in its forward) widens a
+parameter's owner to include ``module``. A module of a named class compiled on its own (torchtitan's per-block
+``torch.compile``) is a unit through its compiled wrapper: the hooks sit outside the compiled graph, which stays
+whole (``fullgraph=True`` holds).
 
-A parameter stays whole on every rank ("replicated", never gathered, reduced once per optimizer step over
-the whole world) when it has fewer elements than ``param_persistence_threshold``, is 0-d or empty, or when
-s == 1. A replicated parameter still belongs to the unit that owns it by the rule above: the unit swaps its
-plain form into the modules while it runs and its DTensor form back afterwards ([Note: placement]).
+[Note: replicated parameters]
+A parameter stays whole on every rank ("replicated": never gathered, reduced once per optimizer step over the
+whole world) when it has fewer elements than ``param_persistence_threshold``, is 0-d or empty, or when s == 1. It
+still belongs to the unit that owns it by [Note: units]: the unit swaps its plain form into the modules while it
+runs and its DTensor form back afterwards ([Note: placement]).
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _common_unit(paths: List[str], unit_paths: List[str]) -> str:
 
 
 def stays_replicated(shape: Tuple[int, ...], persistence_threshold: int, shard_size: int) -> bool:
-    """A parameter of this shape stays whole on every rank ([Note: units]); the planner uses the same rule."""
+    """A parameter of this shape stays whole on every rank ([Note: replicated parameters]); the planner uses the same rule."""
     numel = math.prod(shape)
     return shard_size == 1 or len(shape) == 0 or numel == 0 or numel < persistence_threshold
 

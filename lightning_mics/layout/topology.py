@@ -1,22 +1,21 @@
 """Process layout: shard groups, replica groups, and the node sub-groups of a shard group.
 
 [Note: MiCS layout]
-With world size W, sharding degree s and r = W / s replicas, ranks are laid out on a (replicate, shard)
-grid: shard groups are *contiguous* ranks ``[g*s, (g+1)*s)`` (so on a real cluster they sit on as few nodes
-as possible and their frequent all-gathers use the fast intra-node links), and replica groups are
-*strided*: ``{j, j+s, j+2s, ...}`` hold the same shard ``j`` of the model state. When a shard group spans
-nodes (``ranks_per_node`` = p < s), it splits further into an ``inter`` axis (same local rank, different
-nodes; s/p ranks) and an ``intra`` axis (one node; p ranks), used by the two-hop all-gather. Only those two
-groups are created for it (the mesh's shard axis unflattened: the replicate axis keeps its group), and with one
-rank per node none: the inter axis is the shard group and there is no second hop. Each group created is used
-(with NCCL each is a communicator, built eagerly when the default group is bound to a device).
+With world size W, sharding degree s and r = W / s replicas, ranks lie on a (replicate, shard) grid: shard groups
+are *contiguous* ranks ``[g*s, (g+1)*s)``, so on a cluster they sit on as few nodes as possible and their frequent
+all-gathers use the fast intra-node links; replica groups are *strided*, ``{j, j+s, j+2s, ...}`` holding the same
+shard j of the model state. A shard group spanning nodes (``ranks_per_node`` = p < s) splits further into an
+``inter`` axis (same local rank, s/p nodes) and an ``intra`` axis (p ranks of one node) for the two-hop
+all-gather. Only those two groups are created for it (the mesh's shard axis unflattened: the replicate axis keeps
+its group), and with one rank per node none: the inter axis is the shard group and there is no second hop. Each
+group created is used (with NCCL each is a communicator, built eagerly when the default group is bound to a device).
 
+[Note: tensor-parallel ranks]
 With a tensor-parallel degree t (the seed's "sharded data parallelism with tensor parallelism", Example 2),
-rank = (g*s + j)*t + k: tensor-parallel groups are t *contiguous* ranks (k varies; the most frequent traffic,
-on the fastest links), and each tensor-parallel rank k has its own (replicate, shard) grid over the ranks
-with that k: the mesh is ``arange(W).view(r, s, t)`` with axes ("replicate", "shard", "tp"). Data-parallel
-ranks number W / t; every data-parallel collective (gradient reduction, replicated parameters' all-reduce)
-runs among the ranks of one k.
+rank = (g*s + j)*t + k: tensor-parallel groups are t *contiguous* ranks (the most frequent traffic, on the fastest
+links), and each tensor-parallel rank k has its own (replicate, shard) grid over the ranks with that k: the mesh is
+``arange(W).view(r, s, t)`` with axes ("replicate", "shard", "tp"). Data-parallel ranks number W / t; every
+data-parallel collective (gradient reduction, the replicated parameters' all-reduce) runs among the ranks of one k.
 
 ``plan_layout`` is pure (no processes), so the groups of any world size can be checked in a unit test;
 ``build_mesh`` turns a layout into a DeviceMesh whose named axes carry the process groups.
@@ -277,17 +276,16 @@ def release(topo: Topology) -> None:
 
 
 # [Note: groups at exit]
-# A gloo group runs its collectives on worker threads (pt_gloo_runloop). After a collective completes, the worker
-# still holds the Work until the end of its loop iteration, and releasing it needs the GIL (the Python objects of
-# its tensors, the Python state captured in its ThreadLocalState). If the interpreter has begun finalizing by then,
-# CPython (< 3.14) ends the thread with pthread_exit; the forced unwind meets a noexcept frame in
-# ProcessGroupGloo::runLoop and std::terminate aborts the process ("terminate called without an active exception",
-# status -6) after a fit that succeeded (seen with Lightning's DDP too, which leaves its group alive).
-# Every group still alive at exit is exposed, the default group included. destroy_process_group() alone does not
-# stop a gloo group's threads; only destructing the ProcessGroupGloo joins them, and a DeviceMesh keeps its groups
-# in ``_pg_registry``. So at exit, before finalization, while workers can still take the GIL: destroy every group,
-# drop our topologies, empty their meshes' registries and collect garbage (an engine and its units form a cycle
-# that may hold a group); the last references go and each group's threads join.
+# A gloo group runs its collectives on worker threads (pt_gloo_runloop); after a collective completes, the worker
+# still holds the Work until the end of its loop iteration, and releasing it needs the GIL (its tensors' Python
+# objects, its ThreadLocalState). If the interpreter has begun finalizing by then, CPython (< 3.14) ends the thread
+# with pthread_exit, the forced unwind meets a noexcept frame in ProcessGroupGloo::runLoop, and std::terminate aborts
+# a fit that succeeded ("terminate called without an active exception", status -6). Any group alive at exit is
+# exposed, the default group included; destroy_process_group() alone does not stop its threads: only destructing
+# the ProcessGroupGloo joins them, and a DeviceMesh keeps its groups in ``_pg_registry``. So at exit, before
+# finalization: destroy every group, drop our topologies, empty their meshes' registries and collect garbage (an
+# engine and its units form a cycle that may hold a group), so the last references go and each group's threads join
+# while they can still take the GIL.
 _RELEASE_AT_EXIT_REGISTERED = False
 
 

@@ -10,7 +10,7 @@ The modules, each importing only those above it:
   count or an ``nn.Module``;
 - ``settings``: everything but the model (cluster presets, precision, optimizer, batch shape, the strategy's
   options with :class:`~lightning_mics.options.MiCSConfig`'s defaults), validated;
-- ``estimate``: the arithmetic for one layout ([Note: planner arithmetic] there);
+- ``estimate``: the arithmetic for one layout ([Note: planner arithmetic] and the Notes after it there);
 - ``report``: :func:`plan`, estimating every valid degree, and its result :class:`Plan` with the explanation, the
   table and the chart;
 - ``cli``: the command line.

@@ -10,6 +10,8 @@ cut on dim 0 into ceil(d0/s)-row chunks, zero-padded), ``collectives.bucket_runs
              views of it when the dtypes agree, else unpadded copies), + the replicated parameters' all-reduce
              buckets (fp32, with one flag per parameter);
   optimizer  k tensors of each trainable parameter's unpadded local rows (AdamW k=2, SGD+momentum 1, SGD 0).
+
+[Note: planner communication]
 Communication per optimizer step, in the telemetry's units (``comm/<op>/<group>/bytes``: the all-gather's output,
 the reduce-scatter's input, the all-reduce's buffer), for A micro-batches and U non-root units: the root is
 gathered once per step (kept for backward and across the accumulation window), each other unit twice per
@@ -17,31 +19,40 @@ micro-batch, except the last one of the forward (kept for backward); one reduce-
 micro-batch; at the boundary one replica all-reduce per unit bucket and the replicated parameters' world
 all-reduce. The gathered peak (elements) is the root plus min(U, 1 + prefetch) of the largest units, at most
 ``max_live_parameters`` plus the running unit ([Note: live cap] in schedule.py).
-With ``shard_optimizer_state`` (s = 1): one root unit holds every parameter with its placement over all W
-data-parallel ranks, so params, grads and optimizer state are those of s = W for that unit, plus its full
-parameters (gathered dtype) kept on every rank; per step one reduce-scatter per bucket and one all-gather over the
-W ranks at the boundary, whatever the accumulation, and the world all-reduce.
+
+[Note: planner with optimizer-state sharding]
+With ``shard_optimizer_state`` and s = 1 ([Note: optimizer-state-only sharding] in gradients.py) one root unit
+holds every parameter with its placement over all W data-parallel ranks, so params, grads and optimizer state are
+those of s = W for that unit, plus its full parameters (gathered dtype) kept on every rank; per step one
+reduce-scatter per bucket and one all-gather over the W ranks at the boundary, whatever the accumulation, and the
+world all-reduce.
 With ``shard_optimizer_state`` and s > 1 ([Note: optimizer rows over replicas] in optimizer_rows.py) the units
 are MiCS's, but each replica steps ceil(n / r) of its chunk's n rows: optimizer state and the gradients it sees
 are those rows; the replica all-reduce is one reduce-scatter per unit (the reduction dtype) and one all-gather
 per unit after the step (the master dtype), each of r x the rows' slots; each unit keeps a copy of this replica's
 row (the master dtype, counted with params), and each of the window's forwards after its first all-reduces a
-4-byte flag per unit over the replica group ([Note: rows between steps]).
-Quantized traffic ([Note: quantized traffic] in options.py): with ``quantize_gradients`` each replica all-reduce
-moves the int8 wire of its bucket, ``quantized.wire_bytes`` = b (1 + 4/B) bytes up to padding, in place of b times
-the reduction dtype (x (1 + 4/B)/4 against fp32), the same ring time (an all-to-all and an all-gather of it), and
-with ``"error_feedback"`` each rank keeps, per bucket, its residual (b elements) and its reduced chunk's (b / r),
-in the reduction dtype, counted as gradients; with ``quantize_allgather`` and two hops the inter hop's output is
-n int8 rows of the shard, ``wire_bytes(S, 1, B)`` each. The replicated parameters' world all-reduce stays fp32.
+4-byte flag per unit over the replica group ([Note: rows between steps] in optimizer_rows.py).
+
+[Note: planner quantized traffic]
+With ``quantize_gradients`` ([Note: quantized traffic] in options.py) each replica all-reduce moves the int8 wire
+of its bucket, ``quantized.wire_bytes`` = b (1 + 4/B) bytes up to padding, in place of b times the reduction dtype
+(x (1 + 4/B)/4 against fp32), in the same ring time (an all-to-all and an all-gather of it); with
+``"error_feedback"`` each rank keeps, per bucket, its residual (b elements) and its reduced chunk's (b / r), in the
+reduction dtype, counted as gradients. With ``quantize_allgather`` and two hops the inter hop's output is n int8
+rows of the shard, ``wire_bytes(S, 1, B)`` each. The replicated parameters' world all-reduce stays fp32.
 With ``shard_optimizer_state`` (s > 1) the optimizer rows' reduce-scatter moves the int8 wire of the unit's r
 rows, and with ``"error_feedback"`` their all-gather the int8 deltas, r rows of ``wire_bytes(row, 1, B)``; the
 residuals are then r x row elements in the reduction dtype and a row in the master dtype per unit
 ([Note: quantized optimizer rows] in optimizer_rows.py).
+
+[Note: planner time]
 Links: a shard group inside a node uses the intra-node link; one across nodes the inter-node link (two hops:
 the first hop across nodes, the second inside); replica and world all-reduces cross nodes when there are
 several. Time is a ring model without overlap: (k-1)/k of the buffer per rank for all-gather and
 reduce-scatter over k ranks, 2(k-1)/k for all-reduce, at the intra-node bandwidth per GPU or the node's
 inter-node bandwidth shared by its GPUs.
+
+[Note: planner activations]
 Activations (transformer dims known) per GPU, Korthikanti et al. 2022 without sequence parallelism, scaled to
 the activation dtype: per layer L b (10 h + (8 h + 4 f) / t) (plus 5 a L^2 b / t without flash attention);
 checkpointing keeps each layer's input (L b h, two when offloaded) plus one layer being recomputed; the logits
@@ -194,7 +205,7 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0, repl
         grads += sum(buckets) * 4 if master == 4 else \
             sum(math.prod(p.shape) for u in units for p in u.replicated if p.trainable) * master
     if _zero1(st, s):  # the pinned root: its full parameters (gathered dtype) stay on every rank, and a copy of the
-        # masters they were filled from ([Note: masters moved outside a step] in lent.py)
+        # masters they were filled from ([Note: masters moved outside a step] in user_code/write_back.py)
         params += units[0].full_numel * st.dtypes()[1] + units[0].shard_numel * master
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 

@@ -78,7 +78,7 @@ class Settings:
     param_dtype: Optional[str] = _strategy_default("param_dtype")
     reduce_dtype: Optional[str] = _strategy_default("reduce_dtype")
     tensor_parallel_degree: int = _strategy_default("tensor_parallel_degree")
-    # ZeRO-1: s = 1, optimizer state over all W ([Note: planner arithmetic] in estimate.py)
+    # ZeRO-1: s = 1, optimizer state over all W ([Note: planner with optimizer-state sharding] in estimate.py)
     shard_optimizer_state: bool = _strategy_default("shard_optimizer_state")
     # [Note: quantized traffic] in options.py: int8 blocks across the slow hop (checked by check_quantization)
     quantize_gradients: Any = _strategy_default("quantize_gradients")  # False | True | "error_feedback"

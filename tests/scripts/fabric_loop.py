@@ -493,7 +493,7 @@ def case_feedback_rows(s):
     fabric_steps(fabric, model, opt, data, "none", state["step"], STEPS)
     live = full_state(fabric, model)
     engine = engine_of(model.module)
-    engine.quiesce()
+    engine.release_idle()
     chunks = torch.cat([sp.local.reshape(-1) for u in engine.units for sp in u.params])
     every = [torch.empty_like(chunks) for _ in range(engine.topo.layout.replicas)]  # same shard rank: same size
     torch.distributed.all_gather(every, chunks, group=engine.topo.replica_group)
@@ -579,9 +579,9 @@ def case_quant(s, accum, block, layout=""):
     and the bound of [Note: the equivalence bound]."""
     from argparse import Namespace
 
-    from tests.scripts import quant_equiv as Q
+    from tests.scripts import quant_equiv
     args, A = Namespace(s=int(s), steps=6, batch=4), int(accum)
-    x, y = Q.data(WORLD, args.batch, args.steps, A)
+    x, y = quant_equiv.data(WORLD, args.batch, args.steps, A)
     quant = {"quantize_gradients": True} if layout != "os" else \
         {"quantize_gradients": "error_feedback", "shard_optimizer_state": True}
     variants = [{"accum": A}, {"accum": A, **quant, "quantization_block_size": int(block)}]
@@ -590,19 +590,19 @@ def case_quant(s, accum, block, layout=""):
         opts = {k: val for k, val in v.items() if k != "accum"}
         fabric = L.Fabric(accelerator="cpu", devices=WORLD, precision="32-true", strategy=MiCSStrategy(
             sharded_data_parallel_degree=int(s), param_persistence_threshold=0,
-            reduce_bucket_size=Q.D_IN * Q.D_OUT, **opts))
+            reduce_bucket_size=quant_equiv.D_IN * quant_equiv.D_OUT, **opts))
         fabric.launch()
         rank = fabric.global_rank
-        model = fabric.setup_module(Q.build())
+        model = fabric.setup_module(quant_equiv.build())
         if layout == "os" and len(v) > 1:  # plain SGD either way: the same updates, two pre- and post-step hooks
-            opts = fabric.setup_optimizers(*(torch.optim.SGD([p], lr=Q.LR) for p in (model.weight, model.bias)))
+            opts = fabric.setup_optimizers(*(torch.optim.SGD([p], lr=quant_equiv.LR) for p in (model.weight, model.bias)))
         else:
-            opts = [fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=Q.LR))]
+            opts = [fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=quant_equiv.LR))]
         replica = tuple(fabric.strategy.topology.layout.replica_group_of(rank))
         counter = CommCounter()
         with counter:
             for step in range(args.steps):
-                idx = Q.window_batches(args, WORLD, step, A)[rank]
+                idx = quant_equiv.window_batches(args, WORLD, step, A)[rank]
                 for m in range(A):
                     with fabric.no_backward_sync(model, enabled=m < A - 1):
                         fabric.backward(Fn.mse_loss(model(x[idx[m]]), y[idx[m]]) / A)
@@ -619,7 +619,7 @@ def case_quant(s, accum, block, layout=""):
             run["dtypes"] = sorted({str(t.dtype) for t in final.values()})
         out["runs"].append(run)
     if fabric.global_rank == 0:
-        ref, bounds = Q.reference_and_bounds(args, WORLD, x, y, variants, A)
+        ref, bounds = quant_equiv.reference_and_bounds(args, WORLD, x, y, variants, A)
         out["ref"], out["bounds"] = ref.tolist(), bounds
     return out
 

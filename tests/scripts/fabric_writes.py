@@ -36,7 +36,7 @@ from tests.scripts.compat import BATCH, Net, classification_data  # noqa: E402
 from tests.scripts.writes import whole  # noqa: E402
 
 STEPS, ACCUM, LIMIT, DECAY, SAVE_AT, PENALTY = 6, 2, 0.05, 0.99, 2, 0.1
-KINDS = {"mics": dict(sharded_data_parallel_degree=2),  # [Note: writes between steps] in lent.py: the kept root
+KINDS = {"mics": dict(sharded_data_parallel_degree=2),  # [Note: writes between steps] in user_code/write_back.py: the kept root
          "mics_os": dict(sharded_data_parallel_degree=2, shard_optimizer_state=True),  # [Note: rows between steps]
          "zero1": dict(sharded_data_parallel_degree=1, shard_optimizer_state=True)}
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch.distributed as dist  # noqa: E402
 
-from lightning_mics.comm import quantized as Q  # noqa: E402
+from lightning_mics.comm import quantized  # noqa: E402
 from lightning_mics.comm.collectives import NodeGroups, all_gather_two_hop, gathered, wait  # noqa: E402
 from tests.helpers.comm_mode import CommCounter  # noqa: E402
 
@@ -65,7 +65,7 @@ def all_same(t, group=None):
 def case_bound(r, rank, n, block, dtype, seed):
     xs = inputs(n, r, seed)
     flat = xs[rank].to(dtype, copy=True)
-    Q.quantized_all_reduce(flat, dist.group.WORLD, block)
+    quantized.quantized_all_reduce(flat, dist.group.WORLD, block)
     ref = sum(x.to(dtype).double() for x in xs)
     amax = sum(block_absmax(x.to(dtype), r, block) for x in xs)
     bound = 2 * amax / 254 + (r + 6) * U * amax
@@ -85,15 +85,15 @@ def case_nonfinite(r, rank):
         if who < r:
             xs[who][i] = v
     flat = xs[rank].clone()
-    res = Q.feedback_buffers(n, r, block, torch.float32, flat.device)
-    Q.quantized_all_reduce(flat, dist.group.WORLD, block, residual=res)
+    res = quantized.feedback_buffers(n, r, block, torch.float32, flat.device)
+    quantized.quantized_all_reduce(flat, dist.group.WORLD, block, residual=res)
     blocks = {i // block for who, (i, _) in bad.items() if who < r}
     nan_blocks = sorted(b for b in range(n // block) if torch.isnan(flat[b * block:(b + 1) * block]).all())
     finite_elsewhere = all(bool(torch.isfinite(flat[b * block:(b + 1) * block]).all())
                            for b in range(n // block) if b not in blocks)
     # the next call, finite inputs: the residual's NaN was reset, nothing stays poisoned
     again = inputs(n, r, 8)[rank]
-    Q.quantized_all_reduce(again, dist.group.WORLD, block, residual=res)
+    quantized.quantized_all_reduce(again, dist.group.WORLD, block, residual=res)
     return {"nan_blocks": nan_blocks, "expected": sorted(blocks), "finite_elsewhere": finite_elsewhere,
             "next_finite": bool(torch.isfinite(again).all()), "same": all_same(flat)}
 
@@ -105,7 +105,7 @@ def case_zero_blocks(r, rank):
         x[0:32] = 0.0  # a block zero on every rank
     xs[0][64:96] = 0.0  # a block zero on one rank only
     flat = xs[rank].clone()
-    Q.quantized_all_reduce(flat, dist.group.WORLD, block)
+    quantized.quantized_all_reduce(flat, dist.group.WORLD, block)
     ref = sum(x.double() for x in xs)
     amax = sum(block_absmax(x, r, block) for x in xs)
     ok = bool(((flat.double() - ref).abs() <= 2 * amax / 254 + (r + 6) * U * amax).all())
@@ -119,15 +119,15 @@ def case_error_feedback(r, rank, steps=20):
     absmax by at most its own bound: e <= (A + e) / 254), plus T calls of fp32 rounding."""
     n, block = 3001, 128
     xs = inputs(n, r, 21)
-    res = Q.feedback_buffers(n, r, block, torch.float32, torch.device("cpu"))
+    res = quantized.feedback_buffers(n, r, block, torch.float32, torch.device("cpu"))
     acc_ef = torch.zeros(n, dtype=torch.float64)
     acc_plain = torch.zeros(n, dtype=torch.float64)
     for _ in range(steps):
         a = xs[rank].clone()
-        Q.quantized_all_reduce(a, dist.group.WORLD, block, residual=res)
+        quantized.quantized_all_reduce(a, dist.group.WORLD, block, residual=res)
         acc_ef += a.double()
         b = xs[rank].clone()
-        Q.quantized_all_reduce(b, dist.group.WORLD, block)
+        quantized.quantized_all_reduce(b, dist.group.WORLD, block)
         acc_plain += b.double()
     ref = steps * sum(x.double() for x in xs)
     amax = sum(block_absmax(x, r, block) for x in xs)
@@ -142,11 +142,11 @@ def case_async(r, rank):
     xs = inputs(n, r, 31)
     ys = inputs(777, r, 32)
     sync_x, sync_y = xs[rank].clone(), ys[rank].clone()
-    Q.quantized_all_reduce(sync_x, dist.group.WORLD, block)
-    Q.quantized_all_reduce(sync_y, dist.group.WORLD, block)
+    quantized.quantized_all_reduce(sync_x, dist.group.WORLD, block)
+    quantized.quantized_all_reduce(sync_y, dist.group.WORLD, block)
     ax, ay = xs[rank].clone(), ys[rank].clone()
-    px = Q.quantized_all_reduce(ax, dist.group.WORLD, block, async_op=True)
-    py = Q.quantized_all_reduce(ay, dist.group.WORLD, block, async_op=True)
+    px = quantized.quantized_all_reduce(ax, dist.group.WORLD, block, async_op=True)
+    py = quantized.quantized_all_reduce(ay, dist.group.WORLD, block, async_op=True)
     busy = torch.randn(200, 200) @ torch.randn(200, 200)  # compute while both all-to-alls are in flight
     px.advance()  # x's all-gather issued while y's all-to-all may still run
     assert not px.done and not py.done
@@ -175,17 +175,17 @@ def case_bytes(r, rank):
     with CommCounter() as plain:
         dist.all_reduce(x.clone())
     with CommCounter() as quant:
-        Q.quantized_all_reduce(x.clone(), dist.group.WORLD, block)
+        quantized.quantized_all_reduce(x.clone(), dist.group.WORLD, block)
     ops = sorted({op for op, g, _ in quant.events})
     return {"plain": sent_bytes(plain.events, world), "quant": sent_bytes(quant.events, world), "ops": ops,
-            "wire": Q.wire_bytes(n, r, block)}
+            "wire": quantized.wire_bytes(n, r, block)}
 
 
 def case_all_gather(r, rank):
     out = {}
     for size, block, dtype in [(7, 4, torch.float32), (4099, 64, torch.bfloat16), (1000, 2048, torch.float32)]:
         shards = inputs(size, r, 51 + size)
-        res = Q.quantized_all_gather(shards[rank], dist.group.WORLD, r, block, dtype=dtype, async_op=True)
+        res = quantized.quantized_all_gather(shards[rank], dist.group.WORLD, r, block, dtype=dtype, async_op=True)
         got = gathered(res)
         errs, oks = [], []
         for j in range(r):
@@ -212,8 +212,8 @@ def case_reduce_scatter(r, rank):
         c = -(-n // (4 * r)) * 4
         mine = slice(rank * c, min(n, (rank + 1) * c))
         with CommCounter() as seen:
-            got = Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block).output
-        handle = Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block, async_op=True)
+            got = quantized.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block).output
+        handle = quantized.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block, async_op=True)
         wait(handle.work)
         ref = sum(x.double() for x in xs)[mine]
         amax = sum(block_absmax(x, r, block) for x in xs)[mine]
@@ -229,7 +229,7 @@ def case_reduce_scatter(r, rank):
     res = torch.zeros(n)
     acc = torch.zeros(c, dtype=torch.float64)
     for _ in range(steps):
-        acc += Q.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block, residual=res).output.double()
+        acc += quantized.quantized_reduce_scatter(xs[rank].clone(), dist.group.WORLD, block, residual=res).output.double()
     ref = steps * sum(x.double() for x in xs)[mine]
     amax = sum(block_absmax(x, r, block) for x in xs)[mine]
     bound = amax / 253 + steps * (r + 8) * U * amax * (1 + 2 / 253)
@@ -237,7 +237,7 @@ def case_reduce_scatter(r, rank):
     shards = inputs(1001, r, 91)
     res, acc, own = torch.zeros(1001), torch.zeros(r, 1001, dtype=torch.float64), torch.empty(1001)
     for _ in range(steps):
-        got = gathered(Q.quantized_all_gather(shards[rank], dist.group.WORLD, r, 64, residual=res, own=own))
+        got = gathered(quantized.quantized_all_gather(shards[rank], dist.group.WORLD, r, 64, residual=res, own=own))
         acc += got.double()
     amax = torch.stack([block_absmax(s, 1, 64) for s in shards])
     bound = amax / 253 + steps * 4 * U * amax
@@ -258,7 +258,7 @@ def case_two_hop(r, rank):
     with CommCounter() as plain:
         ref = gathered(all_gather_two_hop(shards[rank], nodes, dtype=torch.float32))
     with CommCounter() as quant:
-        got = gathered(Q.quantized_all_gather_two_hop(shards[rank], nodes, block, dtype=torch.float32,
+        got = gathered(quantized.quantized_all_gather_two_hop(shards[rank], nodes, block, dtype=torch.float32,
                                                       async_op=True))
     oks = []
     for j in range(r):

@@ -76,7 +76,7 @@ class CountComms(L.Callback):
     def on_train_end(self, trainer, pl_module):
         """This rank's chunks once the last rows have arrived (every replica of a shard rank holds the same bits)."""
         engine = trainer.strategy.engine
-        engine.quiesce()
+        engine.release_idle()
         self.chunks = torch.cat([sp.local.reshape(-1) for u in engine.units for sp in u.params]).tolist()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):

@@ -62,7 +62,7 @@ def main() -> None:
             err = (grads.accum - expected)[mask].abs().max().item()
             nonconsecutive = any(b.lo < 0 for b in grads.buckets(unit.trainable()))
             results.append({"bucket_size": bucket_size, "unit": unit.path, "err": err,
-                            "late_left": grads.late is not None, "issued": grads.replica_issued,
+                            "late_left": grads.accum_after_issue is not None, "issued": grads.replica_issued,
                             "nonconsecutive": nonconsecutive})
             grads.accum = None
         engine.remove_hooks()

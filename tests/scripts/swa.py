@@ -1,4 +1,4 @@
-"""Lightning's ``StochasticWeightAveraging`` under a strategy ([Note: weight averaging over the shards] in
+"""Lightning's ``StochasticWeightAveraging`` under a strategy ([Note: SWA over the shards] in
 lightning_mics/frontends/weight_averaging.py), one case after another in one process (one rank; ``compat.py``'s ``main``):
 
     python swa.py --out DIR --strategy mics|mics_os|mics_full|zero1|ddp --cases swa,swa_bn

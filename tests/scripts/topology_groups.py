@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch.distributed as dist  # noqa: E402
 from torch.distributed import distributed_c10d as c10d  # noqa: E402
 
-from lightning_mics.comm import collectives as C  # noqa: E402
+from lightning_mics.comm import collectives  # noqa: E402
 from lightning_mics.layout.topology import build_topology, plan_layout, release  # noqa: E402
 
 
@@ -41,8 +41,8 @@ def main():
             nodes = topo.node_groups()
             used += [g for g in (nodes.inter, nodes.intra) if g is not None]
             shard = torch.arange(5, dtype=torch.float32) + 10 * rank  # this rank's flat shard
-            two_hop = C.gathered(C.all_gather_two_hop(shard, nodes, async_op=True))
-            flat = C.gathered(C.all_gather_flat(shard, topo.shard_group, s, async_op=True))
+            two_hop = collectives.gathered(collectives.all_gather_two_hop(shard, nodes, async_op=True))
+            flat = collectives.gathered(collectives.all_gather_flat(shard, topo.shard_group, s, async_op=True))
             res.update(equal=bool(torch.equal(two_hop, flat)), nodes=[nodes.nodes, nodes.per_node],
                        intra=nodes.intra is not None)
         default = c10d._get_default_group()

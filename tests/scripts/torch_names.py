@@ -39,7 +39,7 @@ def main() -> None:
                 return _fn(*a, **k)
             setattr(dist, name, record)
 
-    from lightning_mics.comm import collectives as C
+    from lightning_mics.comm import collectives
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -49,9 +49,9 @@ def main() -> None:
     shard = torch.empty(4)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        C.all_gather_single(gathered, mine)
-        C.reduce_scatter_single(shard, full)
-        work = C.all_gather_single(gathered, mine, async_op=True)
+        collectives.all_gather_single(gathered, mine)
+        collectives.reduce_scatter_single(shard, full)
+        work = collectives.all_gather_single(gathered, mine, async_op=True)
         work.wait()
     expect_gather = torch.cat([torch.arange(6, dtype=torch.float32) + 10 * r for r in range(world)])
     expect_shard = torch.arange(world * 4, dtype=torch.float32)[rank * 4:(rank + 1) * 4] * sum(range(1, world + 1))

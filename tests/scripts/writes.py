@@ -26,7 +26,7 @@
   ``training_step``, a fit of one epoch saving a checkpoint and a second fit resumed from it; with the types the
   module's parameters have in the hooks (DDP's: plain in every one) and the parameters after each fit;
 - ``bits`` (zero1 only): under ``bf16-mixed`` with no write, taking the plain parameters back into the masters
-  after every step leaves every master bit as it was ([Note: writes between steps] in lightning_mics/engine/lent.py).
+  after every step leaves every master bit as it was ([Note: writes between steps] in lightning_mics/engine/user_code/write_back.py).
 """
 
 import sys
@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 from lightning_mics import MiCSStrategy, consolidate  # noqa: E402
+from lightning_mics.engine.unit import ShardedState  # noqa: E402
 from tests.scripts.compat import BATCH, Base, classification_data, loader, main, params, strategy_for  # noqa: E402
 from tests.scripts.compat import trainer_for  # noqa: E402
 
@@ -149,9 +150,11 @@ class Bits(Base):
     changed = 0
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        for unit in self.trainer.strategy.engine.units:
+        engine = self.trainer.strategy.engine
+        for unit in engine.units:
             before = unit.shard_flat.clone()
-            unit.take_writes()
+            if unit.state is ShardedState.GATHERED:
+                engine.user_code.write_back_of(unit).write_back()
             self.changed += int((unit.shard_flat.view(torch.int32) != before.view(torch.int32)).sum())
 
 

@@ -1,18 +1,12 @@
-"""What the engine hears of the user's optimizers: their steps and their ``zero_grad``.
+"""How the engine hears of the user's optimizers: their steps and their ``zero_grad``.
 
 [Note: steps the engine hears of]
-The engine takes what user code wrote before an optimizer step and refreshes what stays gathered after it
-([Note: one optimizer step] in hooks.py). It hears of a step by wrapping ``step`` on the optimizer instance rather
-than through torch's step hooks, which an optimizer that skips ``Optimizer.__init__`` lacks (timm's ``Lookahead``
-does so on purpose: registering one raised ``AttributeError`` at setup). The optimizers an optimizer holds are
-watched too (SAM's ``base_optimizer``, Lookahead's), since user code calls their steps alone: SAM's
-``second_step`` steps its base optimizer, not itself. A step that runs inside another's (Lookahead's base step
-inside its own) is not heard of apart: the outermost one is, so the masters are refreshed once, after the
-wrapper's own update (Lookahead moves them again after its base step). A step that raises is not heard to end:
-the engine's post-step refresh is collective, and the other ranks may not have stepped.
-
-The wrapper is a bound method, so that an LR scheduler built after it wraps it again through ``__func__``, as it
-wraps the class's; Lightning's and Fabric's optimizer wrappers call the instance's ``step`` and ``zero_grad``.
+The engine hears of a step by wrapping ``step`` on the optimizer instance as a bound method (an LR scheduler built
+after it wraps it again through ``__func__``), not through torch's step hooks, which an optimizer that skips
+``Optimizer.__init__`` lacks (timm's ``Lookahead``). The optimizers an optimizer holds are watched too (SAM's
+``base_optimizer``), since user code calls their steps alone. Only the outermost of nested steps is heard (Lookahead's
+base step inside its own), so what stays gathered is refreshed once, after the last move. A step that raises is not
+heard to end: the refresh after it is collective, and the other ranks may not have stepped.
 """
 
 from __future__ import annotations
