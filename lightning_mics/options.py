@@ -119,6 +119,33 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
               f"{cfg.hierarchical_allgather}); only the cross-node hop is quantized")
 
 
+# [Note: fault-tolerant replica groups]
+# With ``fault_tolerance`` each replica group is a torchrun job of its own (its ranks are the world the strategy
+# sees) and the groups meet only through torchft's Manager: a lighthouse forms a quorum of the live groups every
+# optimizer step, the shard gradients are averaged across the quorum's groups (rank k with rank k: they hold the
+# same shard), and a step commits only if every rank of the group got through it. A layout that needs the same
+# replicas on every step is refused: the optimizer's rows over replicas (``shard_optimizer_state``), int8 replica
+# traffic with its residuals (``quantize_gradients``), and a tensor-parallel axis (never run under it). The
+# front-end glue is ``frontends/fault_tolerance/groups.py``; the managed group, ``comm/managed.py``.
+def check_fault_tolerance(cfg: Any) -> None:
+    """The options ``fault_tolerance`` rules out, refused at construction ([Note: fault-tolerant replica groups])."""
+    if not isinstance(cfg.fault_tolerance, bool):
+        _fail("fault_tolerance", cfg.fault_tolerance, "True or False")
+    if not cfg.fault_tolerance:
+        return
+    if cfg.shard_optimizer_state:
+        _fail("shard_optimizer_state", True, "False with fault_tolerance=True: the optimizer's rows are cut over a "
+              "fixed set of replicas (s > 1) or over every rank (s = 1), while a fault-tolerant job's replica "
+              "groups come and go")
+    if cfg.quantize_gradients is not False:
+        _fail("quantize_gradients", cfg.quantize_gradients, "False with fault_tolerance=True: the cross-group "
+              "average goes through torchft's manager in the gradients' own dtype, and error-feedback residuals "
+              "could not follow a group that leaves or joins")
+    if cfg.tensor_parallel_degree != 1:
+        _fail("tensor_parallel_degree", cfg.tensor_parallel_degree, "1 with fault_tolerance=True (a tensor-parallel "
+              "axis was never run under it)")
+
+
 @dataclass
 class MiCSConfig:
     """Options of :class:`lightning_mics.MiCSStrategy` (named after SageMaker's ``sdp_*`` knobs)."""
@@ -149,6 +176,7 @@ class MiCSConfig:
     quantize_gradients: Any = False  # False | True | "error_feedback": the replica all-reduce in int8 blocks
     quantize_allgather: bool = False  # the cross-node hop of the two-hop parameter gather in int8 blocks
     quantization_block_size: int = QUANT_BLOCK_SIZE  # elements per fp32 scale
+    fault_tolerance: bool = False  # replica groups through torchft ([Note: fault-tolerant replica groups])
 
     def __post_init__(self) -> None:
         self.sharded_data_parallel_degree = _int_like(
@@ -220,6 +248,7 @@ class MiCSConfig:
             _fail("stop_on_nonfinite", self.stop_on_nonfinite, "True or False")
         self.quantization_block_size = check_quantization(
             self.quantize_gradients, self.quantize_allgather, self.quantization_block_size)
+        check_fault_tolerance(self)
 
     def validate_world(self, world_size: int, ranks_per_node: int) -> int:
         """Resolves and checks the sharding degree against the world; returns s. Call before any group.
@@ -233,6 +262,9 @@ class MiCSConfig:
             _fail("tensor_parallel_degree", t, f"a divisor of the world size {world_size}: {divisors}")
         dp = world_size // t
         s = self.sharded_data_parallel_degree
+        if self.fault_tolerance and s is not None and dp % s != 0:
+            _fail("sharded_data_parallel_degree", s, f"a divisor of {world_size}, the ranks of this replica group "
+                  "(fault_tolerance: the world is one group's torchrun job, and a shard group cannot span groups)")
         if s is None:
             s = 1 if self.shard_optimizer_state else max(1, min(ranks_per_node, world_size) // t)
         if dp % s != 0:
@@ -290,6 +322,8 @@ DESCRIPTIONS: Dict[str, str] = {
                           "rank's rounding into the next step",
     "quantize_allgather": "the cross-node hop of the two-hop parameter gather in int8 blocks",
     "quantization_block_size": "elements per fp32 scale of the int8 blocks (1 to 65536)",
+    "fault_tolerance": "replica groups through torchft: each its own torchrun job under a lighthouse; a lost group "
+                       "is dropped, a restarted one heals from a live peer (docs/fault-tolerance.md)",
 }
 
 

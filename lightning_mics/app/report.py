@@ -281,6 +281,17 @@ def _how_it_ran(report: Dict[str, Any]) -> List[str]:
     return lines
 
 
+def quorum_line(ft: Optional[Dict[str, Any]]) -> Optional[str]:
+    """The quorum as this replica group saw it (``strategy.fault_tolerance_summary``), or None without it."""
+    if not ft:
+        return None
+    return (f"fault tolerance: group {ft['group']} of {ft['groups']}, {ft['steps']} steps here, {ft['committed']} "
+            f"committed, {ft['failed']} not taken; {ft['participants_min']}-{ft['participants_max']} groups in the "
+            f"quorum, {ft['quorum_changes']} change(s); {ft['recoveries']} recovery(ies) from a live peer "
+            f"({', '.join(f'{s:.1f} s' for s in ft['heal_seconds']) or 'none'}), {ft['peers_healed']} peer(s) "
+            f"healed from this group; the job's committed steps: {ft['committed_steps']}")
+
+
 def summary_lines(report: Dict[str, Any]) -> List[str]:
     """The report in a few lines of text (the app prints them with a ``[report]`` prefix)."""
     tps, sps = report.get("tokens_per_second"), report.get("samples_per_second")
@@ -290,6 +301,7 @@ def summary_lines(report: Dict[str, Any]) -> List[str]:
     lines.append(f"validation loss {_fmt(report['val_loss_first'])} -> {_fmt(report['val_loss_final'])}, "
                  f"perplexity {_fmt(report['val_ppl_final'])}")
     lines += _how_it_ran(report)
+    lines += [line for line in [quorum_line(report.get("fault_tolerance"))] if line]
     ms = report["model_state"]
     full = (ms.get("unsharded") or {}).get("total")
     if ms.get("per_rank"):
@@ -337,6 +349,7 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
         "val_loss_history": val,
         "model_state": model_state_summary(stats.model_state_bytes, stats.unsharded_bytes),
         "comm_per_step": stats.comm_per_step(),
+        "fault_tolerance": getattr(trainer.strategy, "fault_tolerance_summary", None),
         **(extra or {}),
     }
     plotted = plot_losses(metrics, os.path.join(out_dir, "loss.png"),
@@ -347,6 +360,7 @@ def write_report(trainer: "L.Trainer", stats: RunStats, out_dir: str, metrics_cs
 
     summary = summary_lines(report)
     lines = ["# Run report", "", *[f"- {line}" for line in summary[:2] + _how_it_ran(report)]]
+    lines += [f"- {line}" for line in [quorum_line(report["fault_tolerance"])] if line]
     ms = report["model_state"]
     if val:
         lines.append("- validation loss by step: " + ", ".join(f"{v:.3f} ({s})" for s, v in val))

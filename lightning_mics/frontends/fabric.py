@@ -43,6 +43,7 @@ from lightning_mics.frontends import fabric_checkpoint as fc
 from lightning_mics.frontends import shared
 from lightning_mics.frontends.precision import sharded_scaler
 from lightning_mics.frontends import reliability
+from lightning_mics.frontends.fault_tolerance.groups import FaultTolerance, check_environment
 from lightning_mics.options import MiCSOptions, config_from, with_options_signature
 from lightning_mics.layout.materialize import has_meta
 from lightning_mics.engine.engine import MiCSEngine
@@ -84,6 +85,8 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self._warned_flat = False
         self._backward_sync_control = _MiCSBackwardSync()
         self.comm_stats: Dict[str, float] = {}
+        # [Note: fault-tolerant replica groups] in options.py: the managed group, once the optimizer is set up
+        self.fault_tolerance: Optional[FaultTolerance] = None
 
     @ParallelStrategy.checkpoint_io.setter  # type: ignore[attr-defined]
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:  # L.Fabric(plugins=[io]) sets it here
@@ -94,6 +97,8 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        if self.options.fault_tolerance:  # this group's part of the data
+            return FaultTolerance.sampler_part(self.num_nodes * self.num_processes, self.global_rank)
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def _check(self) -> int:
@@ -103,6 +108,8 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
             raise ValueError(f"Fabric precision plugin {type(self.precision).__name__} (precision={precision!r}) "
                              f"is not supported by MiCSStrategy: allowed precision is one of {_PRECISIONS}.")
         shared.check_precision(self.options, precision)
+        if self.options.fault_tolerance:
+            check_environment()
         return self.options.validate_world(self.num_nodes * self.num_processes, self._ranks_per_node())
 
     @override
@@ -134,6 +141,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         return self._shard(module, [])
 
     def _shard(self, module: nn.Module, optimizers: List[Optimizer]) -> nn.Module:
+        if self.fault_tolerance is not None:
+            raise ValueError("MiCSStrategy(fault_tolerance=True) under Fabric: allowed is one module and one "
+                             "optimizer; a second module was set up after the optimizer.")
         if any(e.root is module for e in self._engines):
             raise ValueError("MiCSStrategy: this module is already set up; allowed is one fabric.setup or "
                              "fabric.setup_module per module.")
@@ -166,7 +176,25 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if engine is not None:
             self._step_hooks.extend(engine.user_code.watch(optimizer))
         self._optimizers.append(optimizer)
+        if self.options.fault_tolerance:  # [Note: joining at the current step] in fault_tolerance/groups.py
+            self._start_fault_tolerance(engine)
         return optimizer
+
+    def _start_fault_tolerance(self, engine: Optional[MiCSEngine]) -> None:
+        """One module and one optimizer; the first quorum now, before the loop's first forward."""
+        if engine is None or len(self._engines) != 1 or self.fault_tolerance is not None:
+            raise ValueError("MiCSStrategy(fault_tolerance=True) under Fabric: allowed is one module and one optimizer "
+                             "over its parameters (one commit decision per step of the job).")
+        self.fault_tolerance = FaultTolerance(self.root_device, self.options.timeout,
+                                                 self.options.reduce_bucket_size)
+        self.fault_tolerance.attach(engine, self._optimizers)
+        self.fault_tolerance.quorum()
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        super().backward(tensor, module, *args, **kwargs)
+        if self.fault_tolerance is not None and self._engines[0].sync_replicas:  # [Note: the cross-group average]
+            self.fault_tolerance.average_gradients(self._engines[0])
 
     @override
     def module_to_device(self, module: nn.Module) -> None:
@@ -194,7 +222,11 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if engine is not None and kwargs.get("closure") is not None:
             kwargs["closure"], step = engine.user_code.evaluations(kwargs["closure"]), engine.user_code.closure_step()
         with step:
-            out = super().optimizer_step(optimizer, **kwargs)
+            if self.fault_tolerance is not None:  # [Note: a step not taken] in fault_tolerance/groups.py; next quorum now
+                out = super().optimizer_step(optimizer, **kwargs) if self.fault_tolerance.commit() else None
+                self.fault_tolerance.quorum()
+            else:
+                out = super().optimizer_step(optimizer, **kwargs)
         self._steps += 1
         if engine is not None:
             self.comm_stats = engine.log.step_summary()
@@ -279,6 +311,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self._engines.clear()
         self._optimizers.clear()
         self._topology = shared.release_unused(self._topology)
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.shutdown()
+            self.fault_tolerance = None
         super().teardown()
 
     @classmethod

@@ -39,6 +39,8 @@ from lightning_mics.frontends import layer_sync
 from lightning_mics.frontends import reliability
 from lightning_mics.frontends import trainer_checkpoint
 from lightning_mics.frontends import weight_averaging
+from lightning_mics.frontends.fault_tolerance.groups import FaultTolerance, check_environment
+from lightning_mics.frontends.fault_tolerance import trainer_quorum
 from lightning_mics.options import MiCSOptions, config_from, with_options_signature
 from lightning_mics.frontends.precision import to_mics_precision
 from lightning_mics.layout.materialize import has_meta
@@ -111,6 +113,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self._loaded_from = "checkpoint"
         self._warned_flat = False
         self.comm_stats: Dict[str, float] = {}
+        # [Note: fault-tolerant replica groups] in options.py: the managed group, while a fit runs
+        self.fault_tolerance: Optional[FaultTolerance] = None
+        self.fault_tolerance_summary: Optional[Dict[str, Any]] = None  # the last fit's quorum, for reports
 
     config = property(lambda self: self.options, doc="The options (``self.options``), read-only.")
 
@@ -135,6 +140,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         """One sampler shard per rank; with ``prescaled_batch`` one per tensor-parallel group (its t ranks read
         the same batch: the data-parallel rank and size)."""
         world = self.num_nodes * self.num_processes
+        trainer = getattr(self.lightning_module, "_trainer", None)  # training data: this group's part; evaluation:
+        if self.options.fault_tolerance and (trainer is None or trainer.training):  # over its ranks, as one job
+            return FaultTolerance.sampler_part(world, self.global_rank)
         if self.options.prescaled_batch:
             t = self.options.tensor_parallel_degree
             return {"num_replicas": world // t, "rank": self.global_rank // t}
@@ -160,6 +168,8 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
             # torchrun (or srun) a mismatch would otherwise surface at setup as a misleading layout error
             self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         self._validate_layout()  # before any process is launched: every rank would raise alike anyway
+        if self.options.fault_tolerance:
+            check_environment()
         shared.check_precision(self.options, self.precision_plugin.precision)
         if not self.cluster_environment.creates_processes_externally:
             if self._start_method == "popen":
@@ -204,6 +214,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self.engine.pin()  # ZeRO-1: plain parameters from on_fit_start on, as under DDP
         if fitting:  # [Note: weight averaging over the shards] in weight_averaging.py
             self._step_hooks.extend(weight_averaging.shard_averages(trainer, self.lightning_module, self.engine.units))
+        if fitting and self.options.fault_tolerance:  # [Note: joining at the current step] in fault_tolerance/groups.py
+            self.fault_tolerance = trainer_quorum.start(
+                trainer, self.engine, [shared.unwrap(o) for o in self.optimizers], self.root_device, self.options)
 
     def _engine_options(self) -> MiCSOptions:
         warn = None if self._warned_flat else self._warn_flat
@@ -291,9 +304,19 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if self.options.stop_on_nonfinite:
             trainer = self.lightning_module.trainer
             closure = reliability.checked(closure, shared.unwrap(optimizer), lambda: trainer.global_step, self.root_device)
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self.fault_tolerance is not None:  # [Note: a step not taken] in fault_tolerance/groups.py
+            out = self.fault_tolerance.step(closure, lambda c: ParallelStrategy.optimizer_step(
+                self, optimizer, c, model, **kwargs))
+        else:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._publish_comm_stats()
         return out
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """[Note: the cross-group average] in fault_tolerance/groups.py, at the end of an accumulation window."""
+        if self.fault_tolerance is not None and self._engine is not None and self._engine.sync_replicas:
+            self.fault_tolerance.average_gradients(self._engine)
 
     def _publish_comm_stats(self) -> None:
         """Per optimizer step: bytes and calls per collective and group (``comm/<op>/<group>/bytes``)
@@ -392,6 +415,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
                 self._engine = None
         self._topology = shared.release_unused(self._topology)
         self._failed = False
+        trainer_quorum.stop(self, wait=True)
         if self.lightning_module is not None:
             self.model = self.lightning_module
             if self._layer_sync is not None and shared.engine_of(self.lightning_module) is None:
@@ -413,6 +437,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
             if engine is not None:
                 engine.reset(rows_wait_s=reliability.GRACE_S if on_every_rank else 0.0)
 
+        trainer_quorum.stop(self, wait=False)  # the other groups' traffic with this one fails at once
         reliability.on_failure(reset)  # [Note: a lone failure] in reliability.py
 
     @classmethod

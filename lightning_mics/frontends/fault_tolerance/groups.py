@@ -1,0 +1,209 @@
+"""The front ends' side of a fault-tolerant job ([Note: fault-tolerant replica groups] in options.py): when the
+quorum is formed, what a step that a group failed in means, which state a joining group takes, and which part
+of the data each group reads. The managed group itself is ``comm/managed.py``; the state, ``checkpoint/peer.py``.
+
+[Note: the cross-group average]
+Inside a group the engine runs as without fault tolerance (its world is the group's ranks, so there is no
+replica all-reduce in it); after every backward that ends an accumulation window, the published gradients of
+every trainable parameter (this rank's rows, and the replicated ones) are averaged across the quorum's groups in
+one flat buffer per dtype, with one flag per parameter: a parameter with a gradient in any group gets one in all
+(zeros where it had none), as in one process over the global batch, and one with none anywhere keeps ``None``.
+The engine scaled each gradient by 1 / (its group's ranks); the manager divides the sum by the participants, so
+the result is the average over every rank of the quorum. Clipping and the optimizer see only the average.
+
+[Note: a step not taken]
+``commit`` is decided after the closure (forward, backward, average) and before the optimizer step, by every
+rank of the group alike. When it is False (a group died during the step, a transfer failed) the update is not
+applied on this group and its gradients are dropped; under the Trainer the loop goes on (the step counts as a
+loop step, as a step the loss scaler skips does), so every group's loop counters stay equal. A group that missed
+a commit the others made is behind by one committed step and heals from a live peer at the next quorum.
+
+[Note: joining at the current step]
+The Trainer's quorum is formed at the first batch of each accumulation window, after the batch was fetched; a
+group that starts (fresh, restarted, or resumed from a checkpoint) forms its first one at ``on_train_start``,
+before any batch: if it is behind it takes a live peer's state there, the model's and optimizers' with the
+learning-rate schedulers' and the fit loop's counters as the peer saved them at its last ``on_train_batch_end``
+(the point a Lightning checkpoint is taken), so its loop resumes at the peer's batch, epoch and global step and
+its sampler reads its own part of the data from there. Under Fabric the first quorum is formed when the optimizer
+is set up and each next one right after a step's commit; the loop's position is the user's
+(``strategy.fault_tolerance.step``: the committed steps).
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from lightning_mics.checkpoint import peer
+from lightning_mics.comm import collectives as C
+from lightning_mics.comm.managed import GroupEnvironment, ManagedGroup
+from lightning_mics.engine.engine import MiCSEngine
+from lightning_mics.layout.placement import local
+
+
+
+def check_environment() -> GroupEnvironment:
+    """torchft's environment for this group, checked before any process or group (ValueError otherwise)."""
+    return GroupEnvironment.from_env()
+
+
+def refuse_optimizers(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """One optimizer, whose step evaluates its closure once ([Note: a step not taken]): refused otherwise, on every
+    rank alike, before any step."""
+    if len(optimizers) != 1:
+        raise ValueError(f"MiCSStrategy(fault_tolerance=True) got {len(optimizers)} optimizers: allowed is one "
+                         "(one commit decision per optimizer step of the job).")
+    if isinstance(optimizers[0], torch.optim.LBFGS):
+        raise ValueError("MiCSStrategy(fault_tolerance=True) got torch.optim.LBFGS: allowed is an optimizer whose "
+                         "step evaluates the closure once (the cross-group average runs once per step).")
+
+
+class FaultTolerance:
+    """A fault-tolerant job as one front end sees it ([Note: fault-tolerant replica groups] in options.py)."""
+
+    def __init__(self, device: torch.device, quorum_timeout_s: float, bucket_numel: int) -> None:
+        self.env = check_environment()
+        self.group = ManagedGroup(self.env, device, quorum_timeout_s)
+        self.bucket_numel = max(1, bucket_numel)
+        self.engine: Optional[MiCSEngine] = None
+        self.optimizers: List[torch.optim.Optimizer] = []
+        self._extra_state: Optional[Callable[[], Dict[str, Any]]] = None
+        self._extra_load: Optional[Callable[[Dict[str, Any]], None]] = None
+        self.quorum_due = True  # [Note: one quorum per step] in comm/managed.py
+        self._closed = False
+        atexit.register(self.shutdown)  # Fabric never tears its strategy down: the manager's threads end here
+
+    # -- what each group reads ----------------------------------------------------------------------------------
+    @staticmethod
+    def sampler_part(world: int, rank: int) -> Dict[str, int]:
+        """This rank's part of the data: one of ``NUM_REPLICA_GROUPS x world`` parts, fixed by the group's id, so
+        the parts of live groups never overlap and a lost group's part is not read until it is back."""
+        env = check_environment()
+        return {"num_replicas": world * env.groups, "rank": env.group * world + rank}
+
+    # -- the state a peer takes ([Note: a peer's state] in checkpoint/peer.py) ---------------------------------
+    def attach(self, engine: MiCSEngine, optimizers: Sequence[torch.optim.Optimizer],
+               extra_state: Optional[Callable[[], Dict[str, Any]]] = None,
+               extra_load: Optional[Callable[[Dict[str, Any]], None]] = None) -> None:
+        """The engine and optimizers whose state a joining peer takes; ``extra_state``/``extra_load``: the front
+        end's own (the Trainer's schedulers and loop counters)."""
+        refuse_optimizers(optimizers)
+        self.engine, self.optimizers = engine, list(optimizers)
+        self._extra_state, self._extra_load = extra_state, extra_load
+        self.group.register(self._load, self._save)
+
+    def _save(self) -> Dict[str, Any]:
+        assert self.engine is not None
+        state = peer.local_state(self.engine, self.optimizers)
+        state["extra"] = self._extra_state() if self._extra_state is not None else {}
+        return state
+
+    def _load(self, state: Dict[str, Any]) -> None:
+        assert self.engine is not None
+        peer.load_local_state(self.engine, self.optimizers, state)
+        if self._extra_load is not None:
+            self._extra_load(state.get("extra", {}))
+
+    # -- the step ---------------------------------------------------------------------------------------------
+    def quorum(self) -> None:
+        """This step's quorum, once per optimizer step ([Note: one quorum per step] in comm/managed.py)."""
+        if self.quorum_due:
+            self.quorum_due = False
+            self.group.quorum()
+
+    @torch.no_grad()
+    def average_gradients(self, engine: MiCSEngine) -> None:
+        """[Note: the cross-group average]. Every rank of every group in the quorum calls it at the same point."""
+        self.quorum()  # a step whose quorum no batch start formed (Fabric's first, a second step in one batch)
+        started = time.monotonic()
+        placed = [p for u in engine.units for p in u.all_params() if p.requires_grad]
+        grads = [local(p.sharded.grad) if p.sharded.grad is not None else None for p in placed]
+        device = engine.device
+        flags = torch.tensor([g is not None for g in grads], dtype=torch.float32, device=device)
+        by_dtype: Dict[torch.dtype, List[int]] = {}
+        for i, p in enumerate(placed):
+            by_dtype.setdefault(grads[i].dtype if grads[i] is not None else p.local.dtype, []).append(i)
+        by_dtype.setdefault(torch.float32, [])  # the flags travel in an fp32 bucket
+        buckets: List[tuple] = []  # (indices, flat, carries the flags)
+        for dtype, idx in by_dtype.items():
+            runs = C.bucket_runs([placed[i].local.numel() for i in idx], self.bucket_numel) or [[]]
+            for r, run in enumerate(runs):
+                members = [idx[k] for k in run]
+                parts = [grads[i].reshape(-1) if grads[i] is not None else
+                         torch.zeros(placed[i].local.numel(), dtype=dtype, device=device) for i in members]
+                last_fp32 = dtype == torch.float32 and r == len(runs) - 1
+                flat = torch.cat(parts + ([flags] if last_fp32 else [])) if parts or last_fp32 else None
+                buckets.append((members, flat, last_fp32))
+        works = [self.group.all_reduce_mean(flat) for _, flat, _ in buckets]
+        for _, flat, _ in buckets:
+            engine.log.record("all_reduce", "groups", flat.numel() * flat.element_size())  # the cross-group hop
+        for work in works:
+            work.wait()  # an error is recorded, not raised: the step is then not taken ([Note: a step not taken])
+        summed = next(flat[flat.numel() - flags.numel():] for _, flat, carries in buckets if carries).cpu()
+        for members, flat, _ in buckets:
+            at = 0
+            for i in members:
+                p, n = placed[i], placed[i].local.numel()
+                region = flat[at:at + n].view(p.local.shape)
+                at += n
+                if grads[i] is not None:
+                    grads[i].copy_(region)
+                elif float(summed[i]) > 0:
+                    p.sharded.grad = p.wrap(region.clone())
+        self.group.log.seconds["average"].append(time.monotonic() - started)
+
+    def commit(self) -> bool:
+        """Whether this step is taken ([Note: a step not taken]); its gradients are dropped when it is not."""
+        ok = self.group.commit()
+        self.quorum_due = True
+        if not ok and self.engine is not None:
+            for p in (p for u in self.engine.units for p in u.all_params()):
+                p.sharded.grad = None
+        return ok
+
+    def step(self, closure: Callable[[], Any], run_step: Callable[[Callable[[], Any]], Any]) -> Any:
+        """An optimizer step: the closure (forward, backward and the average), the commit decision, and, when it
+        commits, ``run_step`` with a closure that returns the closure's result."""
+        result = closure()
+        calls = [0]
+
+        def evaluated() -> Any:
+            calls[0] += 1
+            if calls[0] > 1:
+                raise ValueError("MiCSStrategy(fault_tolerance=True): the optimizer evaluated its closure twice in "
+                                 "one step; allowed is an optimizer that evaluates it once.")
+            return result
+
+        if self.commit():
+            return run_step(evaluated)
+        return result
+
+    @property
+    def step_count(self) -> int:
+        """Committed optimizer steps of the job (where a Fabric loop resumes after joining)."""
+        return self.group.step
+
+    # -- reports and the end -----------------------------------------------------------------------------------
+    def summary(self) -> Dict[str, Any]:
+        """The quorum as this group saw it: steps, committed and failed, participants, recoveries."""
+        return {"group": self.env.group, "groups": self.env.groups, "committed_steps": self.group.step,
+                **self.group.log.summary()}
+
+    def shutdown(self, wait: bool = True) -> None:
+        if not self._closed:
+            self._closed = True
+            atexit.unregister(self.shutdown)
+            self.group.shutdown(wait=wait)
+            self.engine, self.optimizers = None, []
+
+
+def progress_metrics(ft: FaultTolerance) -> Dict[str, float]:
+    """What the progress bar shows of the quorum: the groups in the last step and the steps not taken so far."""
+    log = ft.group.log
+    return {"quorum": float(log.participants[-1]) if log.participants else math.nan,
+            "ft_failed": float(len(log.committed) - sum(log.committed))}
+

@@ -1,0 +1,233 @@
+"""One rank of a fault-tolerant replica group (a torchrun job of its own), or the same job without fault tolerance,
+or one plain process: a small GPT trained with AdamW on fixed token batches, each rank reading its part through
+the strategy's ``distributed_sampler_kwargs``.
+
+    --mode ft        MiCSStrategy(fault_tolerance=True) under torchft's environment (Trainer)
+    --mode fabric    the same under Fabric, a hand-written loop that resumes at the committed step
+    --mode mics      MiCSStrategy without fault tolerance (the same global batches over all ranks)
+    --mode plain     one process, the global batch of every step
+
+Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step, the quorum's summary) and,
+with ``--record``, ``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum,
+committed) and ``<out>/<tag>_r<rank>_samples.jsonl`` (every rank: the sample indices of each batch), where ``tag``
+is ``--tag`` (default: the mode, with the group id under fault tolerance). ``--resumable``: the training sampler
+starts an epoch at the loop's batch (the main job's, lightning_mics/app/data.py), so a group that joins reads its
+part from the job's position. ``--ckpt DIR``: a sharded checkpoint at the end, in DIR; ``--resume DIR``: from it.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lightning_mics import MiCSStrategy  # noqa: E402
+from lightning_mics.app.models import GPT, GPTConfig  # noqa: E402
+from lightning_mics.fabric import MiCSStrategy as FabricMiCS  # noqa: E402
+
+VOCAB, SEQ, BATCH = 61, 12, 2  # per-rank batch
+WIDTH, LAYERS = 32, 2  # --width, --layers (the benchmark's larger model)
+
+
+def build():
+    torch.manual_seed(1234)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=2, n_embd=WIDTH))
+
+
+OPT = "adamw"  # --opt
+
+
+def optimizer(model):
+    if OPT == "sgd":  # rounding differences stay rounding-sized (Adam scales small gradients up)
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+
+
+def dataset(n):
+    g = torch.Generator().manual_seed(7)
+    idx = torch.randint(0, VOCAB, (n, SEQ + 1), generator=g)
+    return TensorDataset(idx[:, :-1].contiguous(), idx[:, 1:].contiguous(), torch.arange(n))
+
+
+def loss_of(model, x, y):
+    logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+
+
+class Module(L.LightningModule):
+    def __init__(self, samples, resumable, record):
+        super().__init__()
+        self.model = build()
+        self.samples, self.resumable, self.record = samples, resumable, record
+
+    def training_step(self, batch, idx):
+        x, y, ids = batch
+        if self.record:
+            with open(f"{self.record}_r{self.trainer.global_rank}_samples.jsonl", "a") as f:
+                f.write(json.dumps(ids.tolist()) + "\n")
+        return loss_of(self.model, x, y)
+
+    def configure_optimizers(self):
+        return optimizer(self.model)
+
+    def train_dataloader(self):
+        data = dataset(self.samples)
+        if not self.resumable:  # Lightning puts in its DistributedSampler (shuffled, seed 0)
+            return DataLoader(data, batch_size=BATCH, shuffle=False)
+        from lightning_mics.app.data import ResumableSampler
+
+        done = lambda: self.trainer.fit_loop.epoch_loop.batch_progress.current.ready  # noqa: E731
+        sampler = ResumableSampler(data, BATCH, done, shuffle=True, seed=0,
+                                   **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+
+class Record(L.Callback):
+    """Rank 0: a line per optimizer step (after it), and a pause that gives a test time to act mid-run
+    (``pause_alone`` while the quorum holds this group only: a survivor still runs when its peer is back)."""
+
+    def __init__(self, path, pause, pause_alone=None):
+        self.path, self.pause, self.last = path, pause, -1
+        self.pause_alone = pause if pause_alone is None else pause_alone
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.last:
+            return
+        self.last = trainer.global_step
+        if self.path and trainer.global_rank == 0:
+            ft = trainer.strategy.fault_tolerance
+            log = ft.group.log if ft is not None else None
+            line = {"t": time.time(), "step": trainer.global_step,
+                    "quorum": log.participants[-1] if log else None, "committed": log.committed[-1] if log else True,
+                    "committed_steps": ft.step_count if ft is not None else trainer.global_step}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        ft = trainer.strategy.fault_tolerance
+        alone = ft is not None and ft.group.log.participants and ft.group.log.participants[-1] == 1
+        time.sleep(self.pause_alone if alone else self.pause)
+
+
+class SaveAtEnd(L.Callback):
+    """A sharded checkpoint at the batch whose optimizer step ends training (callbacks' states included)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.path and trainer.global_step == trainer.max_steps:
+            trainer.save_checkpoint(self.path)
+
+
+def strategy_options(args):
+    return {"sharded_data_parallel_degree": args.s, "param_persistence_threshold": 100,
+            "fault_tolerance": args.mode in ("ft", "fabric"), "timeout": 120}
+
+
+def run_trainer(args, tag):
+    record = str(Path(args.out) / f"{tag}_steps.jsonl") if args.record else None
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                        num_nodes=args.num_nodes, strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
+                        accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[Record(record, args.pause, args.pause_alone), SaveAtEnd(args.ckpt)])
+    model = Module(args.samples, args.resumable, str(Path(args.out) / tag) if args.record else None)
+    trainer.fit(model, ckpt_path=args.resume)
+    if trainer.global_rank == 0:
+        summary = trainer.strategy.fault_tolerance_summary
+        torch.save({"params": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
+                    "global_step": trainer.global_step, "summary": summary}, Path(args.out) / f"{tag}.pt")
+
+
+def run_fabric(args, tag):
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                      strategy=FabricMiCS(**strategy_options(args)))
+    fabric.launch()
+    model = build()
+    model, opt = fabric.setup(model, optimizer(model))
+    ft = fabric.strategy.fault_tolerance
+    data = dataset(args.samples)
+    kw = fabric.strategy.distributed_sampler_kwargs
+    while ft.step_count < args.steps:  # the data of a step follows the committed step: a retried step rereads it
+        step = ft.step_count
+        for micro in range(args.accum):
+            first = ((step * args.accum + micro) * kw["num_replicas"] + kw["rank"]) * BATCH
+            x, y, _ = data[first:first + BATCH]
+            with fabric.no_backward_sync(model, enabled=micro < args.accum - 1):
+                fabric.backward(loss_of(model, x, y) / args.accum)
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    if fabric.global_rank == 0:
+        torch.save({"params": {k: v.detach().clone() for k, v in state.items()}, "global_step": ft.step_count,
+                    "summary": ft.summary()}, Path(args.out) / f"{tag}.pt")
+
+
+def run_plain(args, tag, world):
+    """The global batch of each step, through one process: what ``world`` ranks read through the DistributedSampler
+    Lightning puts in (shuffled, seed 0), or with ``--fabric-data`` through the Fabric loop's slices."""
+    from torch.utils.data import DistributedSampler
+
+    model = build()
+    opt = optimizer(model)
+    data = dataset(args.samples)
+    parts = [list(DistributedSampler(data, num_replicas=world, rank=r, shuffle=True, seed=0)) for r in range(world)]
+    for step in range(args.steps):
+        opt.zero_grad()
+        for micro in range(args.accum):
+            at = (step * args.accum + micro) * BATCH
+            if args.fabric_data:
+                x, y, _ = data[at * world:(at + BATCH) * world]
+            else:
+                x, y, _ = data[torch.tensor([i for part in parts for i in part[at:at + BATCH]])]
+            (loss_of(model, x, y) / args.accum).backward()
+        opt.step()
+    torch.save({"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "global_step": args.steps},
+               Path(args.out) / f"{tag}.pt")
+
+
+def main():
+    global OPT, WIDTH, LAYERS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["ft", "fabric", "mics", "plain"], required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--s", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=4096)
+    ap.add_argument("--world", type=int, default=4, help="--mode plain: the ranks whose batches it joins")
+    ap.add_argument("--record", action="store_true")
+    ap.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps after each step")
+    ap.add_argument("--pause-alone", type=float, default=None, help="the pause while the quorum is this group alone")
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--resumable", action="store_true")
+    ap.add_argument("--fabric-data", action="store_true", help="--mode plain: the Fabric loop's batches")
+    ap.add_argument("--ckpt", default=None)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--opt", choices=["adamw", "sgd"], default="adamw")
+    ap.add_argument("--num-nodes", type=int, default=1)
+    ap.add_argument("--width", type=int, default=WIDTH)
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    args = ap.parse_args()
+    OPT, WIDTH, LAYERS = args.opt, args.width, args.layers
+    group = os.environ.get("REPLICA_GROUP_ID")
+    tag = args.tag or (f"{args.mode}{group}" if args.mode in ("ft", "fabric") else args.mode)
+    if args.mode == "plain":
+        run_plain(args, tag, args.world)
+    elif args.mode == "fabric":
+        run_fabric(args, tag)
+    else:
+        run_trainer(args, tag)
+
+
+if __name__ == "__main__":
+    main()

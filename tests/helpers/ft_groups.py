@@ -1,0 +1,184 @@
+"""A fault-tolerant job as a user runs it: a torchft lighthouse and replica groups, each a ``torchrun`` job of its
+own, optionally each in a network namespace of its own (a host: tests/helpers/netns.py). A group can be killed as a
+lost host is (SIGKILL to its torchrun agent and every worker: one process group) and started again.
+
+Every process carries a tag in its environment (``FT_JOB_TAG``, inherited by the workers torchrun starts in
+sessions of their own): a group is killed by SIGKILL to every process of its launch at once, everything the job
+started is killed when it ends, whatever happened, and ``alive()`` lists what is left, so a test can say that no
+process stayed behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tests" / "fault_tolerance" / "ft_trainer.py"
+
+
+def _env(extra: Dict[str, str]) -> Dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1", RUST_LOG="warn")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+              "GLOO_SOCKET_IFNAME", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS", "TORCHFT_LIGHTHOUSE"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+class FTJob:
+    """``with FTJob(out, hosts=[ns_a, ns_b] or [None, None], addrs=[...]) as job:`` then ``job.lighthouse()``,
+    ``job.start(g, args)``, ``job.kill(g)``, ``job.wait(g)``; everything left is killed on exit."""
+
+    def __init__(self, out: Path, hosts: Sequence[Optional[str]], addrs: Sequence[str], lighthouse_port: int,
+                 base_port: int, nproc: int = 2) -> None:
+        self.out, self.hosts, self.addrs = Path(out), list(hosts), list(addrs)
+        self.lighthouse_port, self.base_port, self.nproc = lighthouse_port, base_port, nproc
+        self.procs: Dict[str, subprocess.Popen] = {}
+        self.launches: Dict[int, int] = {}  # group -> how many times started
+        self.killed_at: Dict[int, float] = {}
+        self.started_at: Dict[int, List[float]] = {}
+        self.tag = f"ftjob-{os.getpid()}-{time.monotonic_ns()}"
+
+    def __enter__(self) -> "FTJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in list(self.procs):
+            self._kill(name)
+        for pid in tagged(self.tag + "/"):  # anything a launch left behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def _popen(self, name: str, host: Optional[str], cmd: List[str], env: Dict[str, str]) -> subprocess.Popen:
+        env = dict(env, FT_JOB_TAG=f"{self.tag}/{name}")
+        if host is not None:
+            cmd = ["ip", "netns", "exec", host, *cmd]
+        log = open(self.out / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, env=env, cwd=self.out, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        log.close()
+        self.procs[name] = proc
+        return proc
+
+    def lighthouse(self, min_replicas: int = 1, heartbeat_ms: int = 2000, host: int = 0) -> str:
+        """Starts the lighthouse on host ``host``; returns its address."""
+        self._popen("lighthouse", self.hosts[host],
+                    ["torchft_lighthouse", "--min_replicas", str(min_replicas), "--bind",
+                     f"[::]:{self.lighthouse_port}", "--quorum_tick_ms", "50", "--join_timeout_ms", "60000",
+                     "--heartbeat_timeout_ms", str(heartbeat_ms)], _env({}))
+        return f"http://{self.addrs[host]}:{self.lighthouse_port}"
+
+    def start(self, group: int, args: Sequence[str], groups: int = 2, script: Path = SCRIPT,
+              module: Optional[str] = None) -> subprocess.Popen:
+        """Group ``group`` as a torchrun job of ``nproc`` ranks on its host (its launch number in the log name)."""
+        n = self.launches.get(group, 0)
+        self.launches[group] = n + 1
+        host, addr = self.hosts[group], self.addrs[group]
+        env = {"TORCHFT_LIGHTHOUSE": f"http://{self.addrs[0]}:{self.lighthouse_port}",
+               "REPLICA_GROUP_ID": str(group), "NUM_REPLICA_GROUPS": str(groups)}
+        if host is not None:
+            env["GLOO_SOCKET_IFNAME"] = host
+        target = ["-m", module] if module else [str(script)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nproc),
+               "--master-addr", addr, "--master-port", str(self.base_port + 10 * group + n), *target, *args]
+        self.started_at.setdefault(group, []).append(time.time())
+        return self._popen(f"group{group}_{n}", host, cmd, _env(env))
+
+    def check(self) -> bool:
+        """Raises, with its log's end, when a launch still counted as running has ended with an error: a wait for
+        it to step would wait in vain. True otherwise (so it can stand in a ``wait_for`` predicate)."""
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code not in (None, 0):
+                raise RuntimeError(f"{name} exited with {code}:\n{self.log(name)[-4000:]}")
+        return True
+
+    def current(self, group: int) -> str:
+        return f"group{group}_{self.launches[group] - 1}"
+
+    def _kill(self, name: str) -> None:
+        """SIGKILL to every process of launch ``name`` at once (the agent and its workers), then reaps the agent."""
+        proc = self.procs.pop(name, None)
+        for pid in tagged(f"{self.tag}/{name}"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc is not None:
+            proc.wait(timeout=30)
+
+    def kill(self, group: int) -> float:
+        """SIGKILL to the group's torchrun agent and every worker at once, as when its host is lost."""
+        self.killed_at[group] = time.time()
+        self._kill(self.current(group))
+        return self.killed_at[group]
+
+    def wait(self, group: int, timeout: float) -> int:
+        """The exit status of the group's current launch ('timeout' kills it)."""
+        proc = self.procs[self.current(group)]
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill(self.current(group))
+            return -999
+        self.procs.pop(self.current(group), None)
+        return code
+
+    def stop_lighthouse(self) -> None:
+        self._kill("lighthouse")
+
+    def log(self, name: str) -> str:
+        return (self.out / f"{name}.log").read_text(errors="replace")
+
+    def alive(self) -> List[int]:
+        """Pids of this job's processes still running (torchrun's workers too)."""
+        return tagged(self.tag + "/")
+
+
+def tagged(prefix: str) -> List[int]:
+    """Pids of live processes whose ``FT_JOB_TAG`` starts with ``prefix`` (zombies left out)."""
+    out = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            if (pid_dir / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            env = (pid_dir / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(b"FT_JOB_TAG=" + prefix.encode()) for e in env):
+            out.append(int(pid_dir.name))
+    return out
+
+
+def records(path: Path) -> List[dict]:
+    """The lines a rank 0 wrote so far (tests/fault_tolerance/ft_trainer.py ``--record``)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            break
+    return out
+
+
+def wait_for(predicate, timeout: float, poll: float = 0.1, what: str = "a condition") -> float:
+    """Polls ``predicate`` until it is true; returns the time it became true. Raises TimeoutError after ``timeout``."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if predicate():
+            return time.time()
+        time.sleep(poll)
+    raise TimeoutError(f"{what} did not happen within {timeout:.0f} s")
