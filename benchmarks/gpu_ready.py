@@ -605,24 +605,24 @@ def check_table_builds(args) -> dict:
 def check_triton_small_bucket(args) -> dict:
     import torch
 
-    import kernels as K
+    import kernels
 
     dev = args.accelerator
     nbytes = 2**20 if cuda(args) else 2**16
     tensors = (10, 100) if cuda(args) and not args.small else (10,)
-    casts = K.CASTS if cuda(args) else {"fp32": torch.float32}
-    bench, gen = K.timer(dev), torch.Generator().manual_seed(0)
+    casts = kernels.CASTS if cuda(args) else {"fp32": torch.float32}
+    bench, gen = kernels.timer(dev), torch.Generator().manual_seed(0)
     figures, rows = {}, []
-    for op in K.OPS:
+    for op in kernels.OPS:
         for cast, dst in casts.items():
             for n in tensors:
-                sizes = K.sizes_for(n, nbytes // 4, gen, False)
+                sizes = kernels.sizes_for(n, nbytes // 4, gen, False)
                 key = dict(op=op, cast=cast, n=n, bytes=nbytes)
-                make = lambda: K.cases(op, dst, sizes, 8, dev, 2048, True)  # noqa: E731  (views: as the engine)
-                case = K.rotated(make, 3) if hasattr(K, "rotated") else make()
-                got = K.measure(key, case, bench, True, dev)  # asserts every output bit-equal first
+                make = lambda: kernels.cases(op, dst, sizes, 8, dev, 2048, True)  # noqa: E731  (views: as the engine)
+                case = kernels.rotated(make, 3) if hasattr(K, "rotated") else make()
+                got = kernels.measure(key, case, bench, True, dev)  # asserts every output bit-equal first
                 rows += got
-                K.report_group(rows, op, cast, n, nbytes)
+                kernels.report_group(rows, op, cast, n, nbytes)
                 tri = next(r for r in got if r["impl"] == "triton")
                 best = min((r for r in got if r["impl"] not in ("triton", "copy")), key=lambda r: r["s"])
                 figures[f"{op} {cast} n={n}"] = {"vs_torch": round(tri["vs torch"], 3), "triton_us": round(

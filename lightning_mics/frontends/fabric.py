@@ -39,7 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mics.frontends import fabric_checkpoint as fc
+from lightning_mics.frontends import fabric_checkpoint
 from lightning_mics.frontends import shared
 from lightning_mics.frontends.precision import sharded_scaler
 from lightning_mics.frontends import reliability
@@ -260,12 +260,12 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     @override
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Any]] = None) -> None:
-        fc.save(self, path, state, storage_options, filter)
+        fabric_checkpoint.save(self, path, state, storage_options, filter)
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        remainder = fc.load(self, path, state, strict, weights_only)
+        remainder = fabric_checkpoint.load(self, path, state, strict, weights_only)
         for engine in self._engines:  # a load released ZeRO-1's pinned units: gathered again from the loaded masters
             engine.pin()
         return remainder
@@ -280,7 +280,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
 
     @override
     def load_module_state_dict(self, module: nn.Module, state_dict: Dict[str, Any], strict: bool = True) -> None:
-        fc._load_module(module, state_dict, strict)
+        fabric_checkpoint._load_module(module, state_dict, strict)
         engine = shared.engine_of(module)
         if engine is not None:
             engine.pin()

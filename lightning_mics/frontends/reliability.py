@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_mics.layout import topology as T
+from lightning_mics.layout.topology import release_all_groups
 from lightning_mics.layout.placement import local
 
 GRACE_S = 5.0  # [Note: a failure on every rank]
@@ -88,7 +88,7 @@ def on_failure(reset: Callable[[bool], None], grace: float = GRACE_S) -> bool:
     reset(on_every_rank)
     if on_every_rank:
         return False
-    T.release_all_groups()
+    release_all_groups()
     return True
 
 

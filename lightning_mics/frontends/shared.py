@@ -59,14 +59,14 @@ import torch.nn as nn
 
 from lightning_mics.checkpoint import state as ckpt
 from lightning_mics.checkpoint import steps as steps
-from lightning_mics.layout import topology as T
 from lightning_mics.frontends.clip import clip_grad_norm_
 from lightning_mics.options import MiCSOptions, optimizer_state_only
 from lightning_mics.engine.engine import MiCSEngine
 from lightning_mics.engine.user_code.optimizer_watch import held_optimizers
 from lightning_mics.frontends.optimizer_support import step_refusal
 from lightning_mics.frontends.threads import set_threads_per_rank
-from lightning_mics.layout.topology import Topology, build_topology, plan_layout
+from lightning_mics.layout.topology import Topology, build_topology, plan_layout, release_groups_at_exit
+from lightning_mics.layout.topology import release as release_topology
 
 ENGINES: "weakref.WeakKeyDictionary[nn.Module, weakref.ReferenceType[MiCSEngine]]" = weakref.WeakKeyDictionary()
 
@@ -197,7 +197,7 @@ def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, devic
     With ``shard_optimizer_state`` and s = 1 the shards go over all W ranks
     ([Note: optimizer-state-only sharding])."""
     s = options.validate_world(world_size, ranks_per_node)
-    T.release_groups_at_exit()  # [Note: groups at exit] in topology.py
+    release_groups_at_exit()  # [Note: groups at exit] in topology.py
     zero1 = optimizer_state_only(options)  # else: [Note: optimizer rows over replicas] in optimizer_rows.py
     layout = plan_layout(world_size, world_size if zero1 else s, ranks_per_node,
                          options.tensor_parallel_degree)
@@ -424,5 +424,5 @@ def release_unused(topology: Optional[Topology]) -> Optional[Topology]:
         gc.collect()
         if any(e.topo is topology for e in live_engines()):
             return topology
-    T.release(topology)
+    release_topology(topology)
     return None

@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 from lightning_mics.checkpoint import peer
-from lightning_mics.comm import collectives as C
+from lightning_mics.comm import collectives
 from lightning_mics.comm.managed import GroupEnvironment, ManagedGroup
 from lightning_mics.engine.engine import MiCSEngine
 from lightning_mics.layout.placement import local
@@ -130,7 +130,7 @@ class FaultTolerance:
         by_dtype.setdefault(torch.float32, [])  # the flags travel in an fp32 bucket
         buckets: List[tuple] = []  # (indices, flat, carries the flags)
         for dtype, idx in by_dtype.items():
-            runs = C.bucket_runs([placed[i].local.numel() for i in idx], self.bucket_numel) or [[]]
+            runs = collectives.bucket_runs([placed[i].local.numel() for i in idx], self.bucket_numel) or [[]]
             for r, run in enumerate(runs):
                 members = [idx[k] for k in run]
                 parts = [grads[i].reshape(-1) if grads[i] is not None else
