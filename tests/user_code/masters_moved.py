@@ -14,6 +14,8 @@
 - ``adamw``: AdamW alone, whose all-gathers Lookahead's are compared with;
 - ``decay``: AdamW, and after every batch a callback decays the optimizer's parameters by hand (``p.mul_(0.99)``
   under ``torch.no_grad()``): no backward between that move and the next forward;
+- ``decay_acc2``: the same with accumulation 2, so the decay also comes between the micro-batches of a window, while
+  the root stays gathered (lent) for the next one: its DTensors written in place since its gather;
 - ``sam_heard``: ``sam_manual`` with the climb and the putting back each run inside the step of an optimizer SAM
   holds (``Mover``), so that the engine hears of them as of any step: what the engine does on its own for moves it
   did not hear of must come to the same bits, in any precision;
@@ -21,7 +23,9 @@
 - ``sam_data``: ``sam_manual`` with ``p.data = w`` for putting ``w`` back, as SAM's reference code writes it: on a
   DTensor torch ignores it; the ``ValueError`` is saved.
 
-Rank 0 saves the parameters, and its all-gathers in the training batches (``CommCounter``).
+Rank 0 saves the parameters, its all-gathers in the training batches (``CommCounter``), and how often the root
+kept a copy of its masters beside its shard where user code could next run (before and after each backward, and
+after each batch: ``WriteBack.snapshot``, [Note: masters moved outside a step]).
 """
 
 import sys
@@ -202,11 +206,13 @@ MODELS = {"sam_manual": SAMManual, "sam_closure": SAMClosure, "lookahead": Looka
 
 def run_case(case, kind, world, rank, out):
     L.seed_everything(0, verbose=False)
-    model = MODELS["adamw" if case == "decay" else case.removesuffix("_bf16")]()
+    decay = case.startswith("decay")
+    model = MODELS["adamw" if decay else case.removesuffix("_bf16")]()
     counted = Counted()
-    callbacks = [counted, DecayByHand()] if case == "decay" else [counted]
+    callbacks = [counted, DecayByHand()] if decay else [counted]
     trainer = trainer_for(kind, world, strategy=strategy_of(kind), max_epochs=2, limit_val_batches=0,
-                          callbacks=callbacks, precision="bf16-mixed" if case.endswith("_bf16") else "32-true")
+                          callbacks=callbacks, precision="bf16-mixed" if case.endswith("_bf16") else "32-true",
+                          accumulate_grad_batches=2 if case == "decay_acc2" else 1)
     try:
         trainer.fit(model, loader(classification_data(4 * world * BATCH), kind, world, rank))
     except ValueError as e:
@@ -214,7 +220,7 @@ def run_case(case, kind, world, rank, out):
             raise
         return {"error": str(e)}
     gathers = sum(n for (op, _), n in counted.counter.counts().items() if op == "all_gather")
-    return {"params": params(model), "all_gathers": gathers}
+    return {"params": params(model), "all_gathers": gathers, "snapshots": counted.snapshots, "looks": counted.looks}
 
 
 def decay_by_hand(optimizer):
@@ -234,12 +240,27 @@ class Counted(L.Callback):
 
     def __init__(self):
         self.counter = CommCounter()
+        self.snapshots = self.looks = 0  # the root's copies of its masters seen, of the times looked
+
+    def look(self, trainer):
+        engine = trainer.strategy.engine if hasattr(trainer.strategy, "engine") else None
+        if engine is not None:
+            wb = engine.user_code.write_back_of(engine.units[0])
+            self.looks += 1
+            self.snapshots += int(wb is not None and wb.snapshot is not None)
 
     def on_train_batch_start(self, *args):
         self.counter.__enter__()
 
-    def on_train_batch_end(self, *args):
+    def on_before_backward(self, trainer, *args):
+        self.look(trainer)  # the root is kept from its forward into its backward
+
+    def on_after_backward(self, trainer, *args):
+        self.look(trainer)  # a window ended: with the root still lent (manual optimization), its copy is due
+
+    def on_train_batch_end(self, trainer, *args):
         self.counter.__exit__(None, None, None)
+        self.look(trainer)  # inside a window the root stays gathered for the next micro-batch
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ LAYOUTS = [("mics", 2), ("zero1", 2), ("mics_os", 4)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return CaseRuns(REPO / "tests" / "user_code" / "masters_moved.py", tmp_path_factory,
-                    lambda kind: ["sam_manual", "sam_closure", "lookahead", "adamw", "decay", "sam_heard",
+                    lambda kind: ["sam_manual", "sam_closure", "lookahead", "adamw", "decay", "decay_acc2", "sam_heard",
                                   "sam_manual_bf16", "sam_heard_bf16", "sam_data"])
 
 
@@ -88,6 +88,32 @@ def test_the_optimizers_parameters_decayed_by_hand_after_each_batch_equal_ddp(ru
     assert max_diff(got["params"], ref["params"]) <= close(world)
     extra = got["all_gathers"] - runs.load(kind, world, "adamw")["all_gathers"]
     assert extra == (7 if kind == "zero1" else 0)  # 8 batches, the last decay followed by no forward
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind,world", LAYOUTS)
+def test_a_decay_by_hand_between_the_micro_batches_of_a_window_equals_ddp(runs, kind, world):
+    """Accumulation 2: between a window's micro-batches the root stays gathered for the next forward (lent to user
+    code) while the decay moves its masters through the optimizer's DTensors. The version counters show it: those
+    parameters keep the moved masters (no copy of the masters is needed for that) and the root is gathered again."""
+    got, ref = runs.load(kind, world, "decay_acc2"), runs.load("ddp", world, "decay_acc2")
+    assert max_diff(got["params"], ref["params"]) <= close(world)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind,world", LAYOUTS)
+def test_the_root_copies_its_masters_only_where_a_window_ends_with_it_lent(runs, kind, world):
+    """[Note: the user-code boundary]: a plain fit (AdamW, and the decays by hand, accumulation 1 and 2) never has the
+    root keep a copy of its masters at s > 1, where before every gather of the root cloned its shard; SAM under
+    manual optimization does (its backward ends a window inside the root's forward); ZeRO-1's pinned unit copies at
+    every fill."""
+    looks = {case: runs.load(kind, world, case) for case in ("adamw", "decay", "decay_acc2", "sam_manual")}
+    assert all(got["looks"] > 0 for got in looks.values())
+    if kind == "zero1":
+        assert all(got["snapshots"] == got["looks"] for got in looks.values())
+    else:
+        assert all(looks[case]["snapshots"] == 0 for case in ("adamw", "decay", "decay_acc2"))
+        assert looks["sam_manual"]["snapshots"] > 0
 
 
 @pytest.mark.distributed
