@@ -619,7 +619,7 @@ def check_triton_small_bucket(args) -> dict:
                 sizes = kernels.sizes_for(n, nbytes // 4, gen, False)
                 key = dict(op=op, cast=cast, n=n, bytes=nbytes)
                 make = lambda: kernels.cases(op, dst, sizes, 8, dev, 2048, True)  # noqa: E731  (views: as the engine)
-                case = kernels.rotated(make, 3) if hasattr(K, "rotated") else make()
+                case = kernels.rotated(make, 3) if hasattr(kernels, "rotated") else make()
                 got = kernels.measure(key, case, bench, True, dev)  # asserts every output bit-equal first
                 rows += got
                 kernels.report_group(rows, op, cast, n, nbytes)

@@ -147,6 +147,9 @@ class ProcessLayout:
         set_threads_per_rank(self.root_device, self.num_processes, self.global_rank, log)  # [Note: threads per rank]
         self._topology = build_mesh(self.options, self.world_size, self._ranks_per_node(), self.root_device.type)
         log.info(f"[rank {self.global_rank}] {self._topology.describe()}")
+        # Rank 0 hosts the store; a rank that leaves new_group's store handshake first and then refuses the model
+        # at setup would take the store from a peer still polling it (a TCPStore error there, not its refusal).
+        torch.distributed.barrier()
         return self._topology
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:

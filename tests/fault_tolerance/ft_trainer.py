@@ -84,11 +84,11 @@ class Module(L.LightningModule):
         data = dataset(self.samples)
         if not self.resumable:  # Lightning puts in its DistributedSampler (shuffled, seed 0)
             return DataLoader(data, batch_size=BATCH, shuffle=False)
-        from lightning_mics.app.data import ResumableSampler
+        from lightning_mics.app.stream import StreamSampler
 
         done = lambda: self.trainer.fit_loop.epoch_loop.batch_progress.current.ready  # noqa: E731
-        sampler = ResumableSampler(data, BATCH, done, shuffle=True, seed=0,
-                                   **self.trainer.strategy.distributed_sampler_kwargs)
+        kwargs = self.trainer.strategy.distributed_sampler_kwargs
+        sampler = StreamSampler(data, BATCH, done, seed=0, num_replicas=kwargs["num_replicas"], rank=kwargs["rank"])
         return DataLoader(data, batch_size=BATCH, sampler=sampler)
 
 

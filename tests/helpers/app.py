@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional
 
 from tests.helpers.launch import start_module
 
+REPO = Path(__file__).resolve().parents[2]
+
 # A model small enough to train in seconds, but with matrices above the persistence threshold so that
 # MiCS really shards them (n_embd=32: c_fc 32x128 = 4096 elements > 1000).
 TINY = [
@@ -28,6 +30,9 @@ COMMAND = [sys.executable, "-m", "lightning_mics.app.train"]
 def app_env() -> Dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
     env["PYTHONUNBUFFERED"] = "1"
+    # A rank that Lightning starts is a fresh interpreter in the test's folder: tests.* (a callback a test names
+    # as a Hydra target) is found from the repository root.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 
 
