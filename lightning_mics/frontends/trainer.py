@@ -180,9 +180,6 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None:  # before the process group: a rank that left first would take the store with it
-            _refuse_unsupported_callbacks(trainer)
         super().setup_environment()
         self._validate_layout()
         reset_seed()
@@ -194,7 +191,10 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.model is not None
-        _refuse_unsupported_callbacks(trainer)
+        refused = [f"{type(cb).__name__} ({why})" for cb in trainer.callbacks  # every rank alike, before any collective
+                   for kinds, why in _UNSUPPORTED_CALLBACKS if isinstance(cb, kinds)]
+        if refused:
+            raise ValueError(f"MiCSStrategy: callbacks not supported: {'; '.join(refused)}. Allowed: none of these.")
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync is not None:  # [Note: layer sync] in layer_sync.py
@@ -444,11 +444,3 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("mics", cls, description="MiCS sharded data parallelism")
-
-
-def _refuse_unsupported_callbacks(trainer: "pl.Trainer") -> None:
-    """Every rank alike, before any collective."""
-    refused = [f"{type(cb).__name__} ({why})" for cb in trainer.callbacks
-               for kinds, why in _UNSUPPORTED_CALLBACKS if isinstance(cb, kinds)]
-    if refused:
-        raise ValueError(f"MiCSStrategy: callbacks not supported: {'; '.join(refused)}. Allowed: none of these.")
