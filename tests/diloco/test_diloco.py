@@ -1,0 +1,103 @@
+"""replica_sync="diloco" under the Trainer: 4 real gloo ranks, s = 2 (two replica groups) and s = 1 (four), a small
+residual MLP (tests/diloco/diloco_ranks.py), each run against a single-process simulation of the same algorithm.
+
+- H = 1 with outer SGD at lr 1 and no momentum equals exact sync and one plain process on the same global batches;
+- H = 3 with Nesterov momentum (two outer steps), accumulation 2 with clipping (H = 2), and s = 1 (pure replication,
+  H = 2) equal the simulation (the replica groups' inner loops in turn, the same outer step) to fp32 rounding;
+- int8 pseudo-gradients stay within the bound of [Note: the int8 outer bound] (diloco_ranks.py) of the simulation,
+  and the quantization did act;
+- nothing crosses the replica groups inside a window: one all-reduce (int8: an all-to-all and an all-gather) on the
+  replica group at each sync step, none at the others (the dispatcher's count); exact sync has one per unit per step.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers.launch import REPO, run_ranks
+
+RANKS = REPO / "tests" / "diloco" / "diloco_ranks.py"
+pytestmark = pytest.mark.distributed
+
+PLAIN_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+VARIANTS = [
+    {"steps": 3},  # exact sync
+    {"steps": 3, "replica_sync": "diloco", "sync_every": 1, **PLAIN_OUTER},
+    {"steps": 6, "replica_sync": "diloco", "sync_every": 3},  # the defaults: Nesterov, lr 0.7, momentum 0.9
+    {"steps": 4, "accum": 2, "clip": 0.05, "replica_sync": "diloco", "sync_every": 2},
+    {"steps": 3, "replica_sync": "diloco", "sync_every": 3, "quantize_gradients": True, "quantization_block_size": 32},
+    {"steps": 4, "s": 1, "replica_sync": "diloco", "sync_every": 2},
+]
+FP32 = 1e-6  # parameters are O(0.1-1); the runs and the simulation round differently by a few ulps at most
+U = 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diloco")
+    res = run_ranks(RANKS, 4, ["--variants", json.dumps(VARIANTS)], out)
+    return sorted(res, key=lambda r: r["rank"])
+
+
+def _replica(v, rank):
+    return rank // v.get("s", 2) if v.get("replica_sync") == "diloco" else 0
+
+
+def _distance(runs, k):
+    """Per rank: max |run - simulation| of that rank's replica, for variant k."""
+    v, sim = VARIANTS[k], runs[0]["sims"][k]["params"]
+    return [(torch.tensor(r["runs"][k]["params"]) - torch.tensor(sim[_replica(v, r["rank"])])).abs().max().item()
+            for r in runs]
+
+
+def test_h1_plain_outer_sgd_equals_exact_sync_and_one_plain_process(runs):
+    plain = torch.tensor(runs[0]["sims"][0]["params"][0])  # one process, the global batches
+    for r in runs:
+        exact, diloco = torch.tensor(r["runs"][0]["params"]), torch.tensor(r["runs"][1]["params"])
+        assert (exact - plain).abs().max().item() <= FP32
+        assert (diloco - plain).abs().max().item() <= FP32
+        assert (diloco - exact).abs().max().item() <= FP32
+    assert (plain - torch.tensor(runs[0]["sims"][0]["params"][0])).abs().max() == 0
+    moved = (plain - torch.tensor(runs[0]["sims"][2]["params"][0])).abs().max().item()
+    assert moved > 1e-3  # the other variants' trajectories are not this one (the comparison has power)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5], ids=["h3_nesterov", "accum2_clip_h2", "s1_h2"])
+def test_equals_the_single_process_simulation(runs, k):
+    assert max(_distance(runs, k)) <= FP32, _distance(runs, k)
+    sim = runs[0]["sims"][k]["params"]
+    # the replicas end equal (the last step is a sync step), and DiLoCo is not exact sync on these batches
+    assert all(torch.equal(torch.tensor(p), torch.tensor(sim[0])) for p in sim)
+    exact_like = torch.tensor(runs[0]["sims"][1]["params"][0])
+    assert (torch.tensor(sim[0]) - exact_like).abs().max().item() > 1e-3
+    if VARIANTS[k].get("clip"):
+        assert runs[0]["sims"][k]["clipped"] >= 4  # clipping acted in at least half of the 8 replica steps
+
+
+def test_int8_pseudo_gradients_within_the_derived_bound(runs):
+    k = 4
+    v, sim = VARIANTS[k], runs[0]["sims"][k]
+    r = len(sim["pseudo_inf"])
+    mu = 0.9
+    bound = 0.7 * (1 + mu) * (2 / 254 + (r + 6) * U) * sum(sim["pseudo_inf"]) / r  # [Note: the int8 outer bound]
+    dist = _distance(runs, k)
+    assert max(dist) <= bound + FP32, (dist, bound)
+    assert min(dist) > 10 * FP32, dist  # the quantization did act
+    assert bound < 0.05  # and the bound says something (parameters are O(0.1-1))
+    # every rank of a shard rank agrees bit for bit after the int8 sync (the all-gather delivers the same rows)
+    assert runs[0]["runs"][k]["params"] == runs[2]["runs"][k]["params"]
+
+
+def test_nothing_crosses_the_replica_groups_inside_a_window(runs):
+    for r in runs:
+        exact = r["runs"][0]["replica_traffic"]
+        assert all(len(batch) == 3 and {op for op, _ in batch} == {"all_reduce"} for batch in exact)  # 3 units
+        for k in (1, 2, 3, 4, 5):
+            v = VARIANTS[k]
+            accum, every = v.get("accum", 1), v["sync_every"]
+            for b, batch in enumerate(r["runs"][k]["replica_traffic"]):
+                step_end = (b + 1) % accum == 0
+                sync = step_end and ((b + 1) // accum) % every == 0
+                want = (["all_to_all", "all_gather"] if v.get("quantize_gradients") else ["all_reduce"]) if sync else []
+                assert [op for op, _ in batch] == want, (k, b, batch)
