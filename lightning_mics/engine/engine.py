@@ -186,6 +186,8 @@ class MiCSEngine:
         # leaves alone agrees across the replicas before all of it is taken so
         self.release_idle()
         full_state.load_full_state_dict(self.units, self.root, state, self.device, strict)
+        if self.outer is not None:  # [Note: the outer step on shards]: the loaded masters are the last synced ones
+            self.outer.forget()
 
     def restore_module(self) -> Dict[int, nn.Parameter]:
         """Removes the hooks and puts full, plain parameters (master dtype) back into the modules, unit by

@@ -46,6 +46,7 @@ class OuterSync:
         self.optimizer: Optional[torch.optim.SGD] = None
         self.steps = 0  # inner optimizer steps since the last outer step
         self.outer_steps = 0
+        self.loaded_inner: Optional[Dict[str, Any]] = None  # a load's inner optimizer state, until the optimizers load
 
     # -- the anchor -------------------------------------------------------------------------------------
     @torch.no_grad()
