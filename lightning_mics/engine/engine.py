@@ -248,4 +248,6 @@ class MiCSEngine:
         for o in optimizers:
             for st in o.state.values():
                 opt += sum(nbytes(v) for v in st.values() if isinstance(v, Tensor) and v.dim() > 0)
+        if self.outer is not None:  # the outer optimizer's: the anchors and their momentum
+            opt += sum(nbytes(t) for t in self.outer.buffers())
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}

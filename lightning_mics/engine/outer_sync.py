@@ -74,6 +74,13 @@ class OuterSync:
         if self.steps >= self.sync_every:
             self.sync()
 
+    def buffers(self) -> List[Tensor]:
+        """What the outer loop keeps (model-state accounting): the anchors and the outer momentum."""
+        if self.anchors is None or self.optimizer is None:
+            return []
+        momentum = [self.optimizer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
+        return [*self.anchors, *(m for m in momentum if m is not None)]
+
     # -- the outer step ---------------------------------------------------------------------------------
     @torch.no_grad()
     def pseudo_gradient(self) -> Tensor:

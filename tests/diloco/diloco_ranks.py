@@ -148,10 +148,11 @@ def simulate(v, world, batch, x, y, groups):
 def run_variant(v, world, rank, train):
     v = dict(v)
     steps, accum, clip, s = v.pop("steps"), v.pop("accum", 1), v.pop("clip", None), v.pop("s", 2)
+    precision = v.pop("precision", "32-true")
     replica = [j for j in range(world) if j % s == rank % s]
     traffic = ReplicaTraffic(replica)
     strategy = MiCSStrategy(sharded_data_parallel_degree=s, param_persistence_threshold=20, **v)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, precision=precision,
                         accumulate_grad_batches=accum, gradient_clip_val=clip, limit_val_batches=0,
                         num_sanity_val_steps=0, enable_progress_bar=False, enable_model_summary=False,
                         logger=False, enable_checkpointing=False, callbacks=[traffic], use_distributed_sampler=False)

@@ -6,6 +6,8 @@ residual MLP (tests/diloco/diloco_ranks.py), each run against a single-process s
   H = 2) equal the simulation (the replica groups' inner loops in turn, the same outer step) to fp32 rounding;
 - int8 pseudo-gradients stay within the bound of [Note: the int8 outer bound] (diloco_ranks.py) of the simulation,
   and the quantization did act;
+- under bf16-mixed (the outer step on the fp32 masters) within three times exact sync's own bf16 distance from
+  its fp32 simulation;
 - nothing crosses the replica groups inside a window: one all-reduce (int8: an all-to-all and an all-gather) on the
   replica group at each sync step, none at the others (the dispatcher's count); exact sync has one per unit per step.
 """
@@ -28,6 +30,8 @@ VARIANTS = [
     {"steps": 4, "accum": 2, "clip": 0.05, "replica_sync": "diloco", "sync_every": 2},
     {"steps": 3, "replica_sync": "diloco", "sync_every": 3, "quantize_gradients": True, "quantization_block_size": 32},
     {"steps": 4, "s": 1, "replica_sync": "diloco", "sync_every": 2},
+    {"steps": 4, "precision": "bf16-mixed"},  # exact sync under bf16-mixed: the yardstick of bf16's rounding
+    {"steps": 4, "precision": "bf16-mixed", "replica_sync": "diloco", "sync_every": 2},
 ]
 FP32 = 1e-6  # parameters are O(0.1-1); the runs and the simulation round differently by a few ulps at most
 U = 2.0 ** -24
@@ -89,11 +93,22 @@ def test_int8_pseudo_gradients_within_the_derived_bound(runs):
     assert runs[0]["runs"][k]["params"] == runs[2]["runs"][k]["params"]
 
 
+def test_bf16_mixed_outer_step_on_the_fp32_masters(runs):
+    """The same algorithm under bf16-mixed: the forward and backward round to bf16, which the fp32 simulation does not
+    model; that rounding is measured on exact sync (its distance to its own fp32 simulation) and DiLoCo's distance to
+    its simulation may be at most three times it. The replica groups end bit-equal (the last step is a sync step)."""
+    exact_bf16 = max(_distance(runs, 6))
+    diloco_bf16 = max(_distance(runs, 7))
+    assert 0 < exact_bf16 < 0.05 and diloco_bf16 <= 3 * exact_bf16 + FP32, (exact_bf16, diloco_bf16)
+    assert runs[0]["runs"][7]["params"] == runs[2]["runs"][7]["params"]
+    assert runs[1]["runs"][7]["params"] == runs[3]["runs"][7]["params"]
+
+
 def test_nothing_crosses_the_replica_groups_inside_a_window(runs):
     for r in runs:
         exact = r["runs"][0]["replica_traffic"]
         assert all(len(batch) == 3 and {op for op, _ in batch} == {"all_reduce"} for batch in exact)  # 3 units
-        for k in (1, 2, 3, 4, 5):
+        for k in (1, 2, 3, 4, 5, 7):
             v = VARIANTS[k]
             accum, every = v.get("accum", 1), v["sync_every"]
             for b, batch in enumerate(r["runs"][k]["replica_traffic"]):
@@ -127,3 +142,24 @@ def test_fabric_loop_equals_the_simulation_and_resumes_exactly(tmp_path):
         mine = torch.tensor(r["loop"]) - torch.tensor(sim["params"][r["rank"] // 2])
         assert mine.abs().max().item() <= FP32, r["rank"]
         assert r["resumed"] == r["loop"], r["rank"]
+
+
+def test_main_job_config_takes_diloco():
+    """``strategy.replica_sync=diloco`` and the outer options compose through the main job's structured config (the
+    schema types them) into a MiCSStrategy that holds them; a wrong type fails at compose."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException
+    from hydra.utils import instantiate
+
+    from lightning_mics.app.train import CONF_MODULE
+
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "strategy.sharded_data_parallel_degree=2", "strategy.replica_sync=diloco", "strategy.sync_every=4",
+            "strategy.outer_lr=0.5", "strategy.quantize_gradients=true"])
+        with pytest.raises(ConfigCompositionException):
+            compose(config_name="config", overrides=["strategy.sync_every=often"])
+    strategy = instantiate(cfg.strategy)
+    o = strategy.options
+    assert (o.replica_sync, o.sync_every, o.outer_lr, o.outer_momentum, o.outer_nesterov, o.quantize_gradients) == \
+        ("diloco", 4, 0.5, 0.9, True, True)
