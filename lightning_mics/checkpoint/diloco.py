@@ -149,8 +149,11 @@ def restore_optimizers(engines: Engines, optimizers: Optimizers) -> None:
         engine.outer.loaded_inner = None
 
 
-def forget(engines: Engines) -> None:
+def forget(engines: Engines, where: Any = "the checkpoint") -> None:
     """A load that carries no DiLoCo state (a full checkpoint): the outer loops start again from the loaded masters."""
+    if any(e is not None and e.outer is not None for e in engines.values()):
+        _restart(where, "a full checkpoint holds one copy of the model and the optimizer (state_dict_type='sharded' "
+                        "carries each replica group's own)")
     restore_model(engines, None)
 
 

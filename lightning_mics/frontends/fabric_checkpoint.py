@@ -162,7 +162,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     with torch.inference_mode(False):
         if full is not None:
             feedback.warn_full({k: engine_of(m) for k, m in modules.items()}, path)
-            diloco.forget({k: engine_of(m) for k, m in modules.items()})
+            diloco.forget({k: engine_of(m) for k, m in modules.items()}, path)
             for k, m in modules.items():
                 if k in full:
                     _load_module(m, full.pop(k), strict)

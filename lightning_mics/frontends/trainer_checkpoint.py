@@ -142,7 +142,7 @@ def load_checkpoint(strategy: Strategy, checkpoint_path: Any, weights_only: Opti
     engines = {"model": engine}
     if full is not None:
         feedback.warn_full(engines, path)
-        diloco.forget(engines)
+        diloco.forget(engines, path)
         beside.slice_back(full, (full.get(files.MARKER) or {}).get("beside") or [], strategy.topology.mesh)
         return full
     assert meta is not None and index is not None
