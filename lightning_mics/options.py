@@ -37,6 +37,9 @@ _DEFAULT_MAX_LIVE = 1_000_000_000
 QUANT_BLOCK_SIZE = 2048  # elements per scale (DeepSpeed's ZeRO++ uses 2k-8k)
 _QUANT_MAX_BLOCK = 1 << 16  # triton_kernels' limit: one Triton program holds a block in registers
 QUANTIZE_GRADIENTS = (False, True, "error_feedback")
+REPLICA_SYNCS = ("exact", "diloco")
+# the outer optimizer's defaults: DiLoCo's (arXiv 2311.08105: Nesterov SGD, lr 0.7, momentum 0.9); H as torchft's examples
+OUTER_DEFAULTS = {"sync_every": 16, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -105,7 +108,8 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
     replica all-reduce needs sharded parameters (s > 1) and several replicas (r > 1); the int8 gather hop needs
     the two-hop gather (a sharding group of whole nodes, no tensor-parallel axis, ``hierarchical_allgather``
     not False)."""
-    if cfg.quantize_gradients is not False and (s == 1 or r == 1):
+    # (DiLoCo's outer sync quantizes the replicated parameters' pseudo-gradients too: s = 1 acts there)
+    if cfg.quantize_gradients is not False and (s == 1 and cfg.replica_sync != "diloco" or r == 1):
         why = "every parameter stays replicated with s = 1 and their all-reduce is not quantized" if s == 1 else \
             "a single replica (s = the data-parallel size) has no replica all-reduce"
         _fail("quantize_gradients", cfg.quantize_gradients,
@@ -146,6 +150,57 @@ def check_fault_tolerance(cfg: Any) -> None:
               "axis was never run under it)")
 
 
+# [Note: DiLoCo across replica groups]
+# With ``replica_sync="diloco"`` the replica groups train apart: a gradient is averaged over its shard group only and
+# nothing crosses the replica groups inside a window. Every ``sync_every`` optimizer steps each rank averages over the
+# replica groups the change of its own fp32 shard since the last sync (anchor - shard; int8 blocks with
+# ``quantize_gradients=True``), an outer SGD steps the anchor with it, and the anchor becomes every replica's shard:
+# all ranks of a shard rank hold the same anchor and outer momentum, the inner optimizer's state stays each replica's.
+# It changes the optimization: only H = 1 with outer SGD at lr 1, no momentum, is exact data parallelism.
+# The engine's part is ``engine/outer_sync.py``.
+def check_diloco(cfg: Any) -> None:
+    """Value checks of the DiLoCo options ([Note: DiLoCo across replica groups]), before any process group."""
+    if cfg.replica_sync not in REPLICA_SYNCS:
+        _fail("replica_sync", cfg.replica_sync, "'exact' (the replica all-reduce every optimizer step) or 'diloco'")
+    if cfg.replica_sync == "exact":
+        for name, default in OUTER_DEFAULTS.items():
+            if getattr(cfg, name) != default or type(getattr(cfg, name)) is not type(default):
+                _fail(name, getattr(cfg, name), f"the default {default!r} unless replica_sync='diloco' (exact sync has "
+                      "no outer optimizer)")
+        return
+    cfg.sync_every = _int_like("sync_every", cfg.sync_every, 1)
+    lr = cfg.outer_lr
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        _fail("outer_lr", lr, "a positive finite number (the outer SGD's learning rate)")
+    cfg.outer_lr = float(lr)
+    mom = cfg.outer_momentum
+    if isinstance(mom, bool) or not isinstance(mom, (int, float)) or not 0 <= mom < 1:
+        _fail("outer_momentum", mom, "a number in [0, 1)")
+    cfg.outer_momentum = float(mom)
+    if not isinstance(cfg.outer_nesterov, bool):
+        _fail("outer_nesterov", cfg.outer_nesterov, "True or False")
+    if cfg.outer_nesterov and cfg.outer_momentum == 0:
+        _fail("outer_nesterov", True, "False with outer_momentum=0 (Nesterov needs momentum)")
+    if cfg.shard_optimizer_state:
+        _fail("shard_optimizer_state", True, "False with replica_sync='diloco': the optimizer's rows are cut over the "
+              "replicas (s > 1) or every rank (s = 1), while DiLoCo's replica groups step apart")
+    if cfg.quantize_gradients == "error_feedback":
+        _fail("quantize_gradients", "error_feedback", "False or True with replica_sync='diloco' (the pseudo-gradients "
+              "go in int8 blocks; error feedback on them is not built)")
+    if cfg.fault_tolerance:
+        _fail("fault_tolerance", True, "False with replica_sync='diloco' (the outer sync is not built on torchft's "
+              "manager: a group leaving or joining mid-window is not handled)")
+    if cfg.tensor_parallel_degree != 1:
+        _fail("tensor_parallel_degree", cfg.tensor_parallel_degree, "1 with replica_sync='diloco' (never run with a "
+              "tensor-parallel axis)")
+
+
+def check_diloco_layout(cfg: Any, s: int, r: int) -> None:
+    """DiLoCo needs several replica groups ([Note: DiLoCo across replica groups])."""
+    if cfg.replica_sync == "diloco" and r == 1:
+        _fail("replica_sync", "diloco", f"'exact' with sharded_data_parallel_degree={s} and one replica group")
+
+
 @dataclass
 class MiCSConfig:
     """Options of :class:`lightning_mics.MiCSStrategy` (named after SageMaker's ``sdp_*`` knobs)."""
@@ -177,6 +232,12 @@ class MiCSConfig:
     quantize_allgather: bool = False  # the cross-node hop of the two-hop parameter gather in int8 blocks
     quantization_block_size: int = QUANT_BLOCK_SIZE  # elements per fp32 scale
     fault_tolerance: bool = False  # replica groups through torchft ([Note: fault-tolerant replica groups])
+    # replica_sync="diloco": [Note: DiLoCo across replica groups]
+    replica_sync: str = "exact"  # "exact": the replica all-reduce every step; "diloco": an outer step every H steps
+    sync_every: int = OUTER_DEFAULTS["sync_every"]  # H: optimizer steps between outer syncs (diloco)
+    outer_lr: float = OUTER_DEFAULTS["outer_lr"]
+    outer_momentum: float = OUTER_DEFAULTS["outer_momentum"]
+    outer_nesterov: bool = OUTER_DEFAULTS["outer_nesterov"]
 
     def __post_init__(self) -> None:
         self.sharded_data_parallel_degree = _int_like(
@@ -249,6 +310,7 @@ class MiCSConfig:
         self.quantization_block_size = check_quantization(
             self.quantize_gradients, self.quantize_allgather, self.quantization_block_size)
         check_fault_tolerance(self)
+        check_diloco(self)
 
     def validate_world(self, world_size: int, ranks_per_node: int) -> int:
         """Resolves and checks the sharding degree against the world; returns s. Call before any group.
@@ -273,6 +335,7 @@ class MiCSConfig:
                 f"the data-parallel size {dp} (world {world_size} / tensor_parallel_degree {t})"
             _fail("sharded_data_parallel_degree", s, f"a divisor of {what}: {divisors}")
         check_quantization_layout(self, s, dp // s, ranks_per_node)
+        check_diloco_layout(self, s, dp // s)
         return s
 
     @classmethod
@@ -324,6 +387,12 @@ DESCRIPTIONS: Dict[str, str] = {
     "quantization_block_size": "elements per fp32 scale of the int8 blocks (1 to 65536)",
     "fault_tolerance": "replica groups through torchft: each its own torchrun job under a lighthouse; a lost group "
                        "is dropped, a restarted one heals from a live peer (docs/fault-tolerance.md)",
+    "replica_sync": "\"exact\" (the replica all-reduce every optimizer step) or \"diloco\": replica groups train apart "
+                    "and an outer optimizer syncs their shards every sync_every steps (docs/diloco.md)",
+    "sync_every": "diloco: H, optimizer steps between outer syncs",
+    "outer_lr": "diloco: the outer SGD's learning rate on the averaged pseudo-gradient",
+    "outer_momentum": "diloco: the outer SGD's momentum",
+    "outer_nesterov": "diloco: Nesterov momentum in the outer SGD",
 }
 
 

@@ -25,6 +25,7 @@ from lightning_mics.layout.materialize import has_meta, materialize
 from lightning_mics.layout.placement import ReplicatedParam, local
 from lightning_mics.engine.replicated import ReplicatedReducer
 from lightning_mics.engine.gradients import GradientPath
+from lightning_mics.engine.outer_sync import OuterSync
 from lightning_mics.engine.schedule import Schedule
 from lightning_mics.layout.sharding import UnitPlan, plan_sharding, resolve_classes
 from lightning_mics.comm.telemetry import CommLog
@@ -71,8 +72,11 @@ class MiCSEngine:
         # the default group as None, looked up per call: holding it would keep it alive after a lone failure
         # ([Note: a lone failure] in reliability.py); with t > 1 the data-parallel group, which the mesh holds
         dp_group = topo.dp_group if topo.layout.tp_size > 1 else None
-        reducer = ReplicatedReducer(order, dp_group, topo.layout.dp_size, bucket_size, device, self.log,
-                                    group_name="world" if topo.layout.tp_size == 1 else "dp")
+        apart = options.replica_sync == "diloco"  # [Note: DiLoCo across replica groups] in options.py: in the shard group
+        reducer = ReplicatedReducer(order, topo.shard_group, topo.layout.shard_size, bucket_size, device, self.log,
+                                    group_name="shard") if apart else \
+            ReplicatedReducer(order, dp_group, topo.layout.dp_size, bucket_size, device, self.log,
+                              group_name="world" if topo.layout.tp_size == 1 else "dp")
         if on_meta:  # [Note: sharded initialization] in materialize.py
             materialize(root, {(id(r.module), r.attr): p for u in self.units for p in u.all_params()
                                for r in p.refs}, device)
@@ -80,8 +84,11 @@ class MiCSEngine:
             unit.rows_written()
         self.schedule = Schedule(self.units, prefetch, max_live_parameters, keep_for_backward,
                                  reshard_after_forward)
-        self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize)
+        self.grads = GradientPath(self.units, reducer, bucket_size, optimizer_state_only, quantize, apart)
         self.user_code = UserCodeBoundary(self.units, self.schedule)  # [Note: the user-code boundary]
+        # [Note: the outer step on shards] in outer_sync.py: heard of at the optimizer steps
+        self.outer = OuterSync(self.units, topo, options, self.log) if apart else None
+        self.user_code.outer = self.outer
         self.hooks = Hooks(self.units, [self._entry_modules(u, up) for u, up in zip(self.units, plan.units)],
                            self.schedule, self.grads, self.user_code, owner=self)  # the module keeps its engine
         # after the units' hooks: its pre-hooks run first ([Note: grouped checkpointing] in activations.py)
@@ -179,6 +186,8 @@ class MiCSEngine:
         # leaves alone agrees across the replicas before all of it is taken so
         self.release_idle()
         full_state.load_full_state_dict(self.units, self.root, state, self.device, strict)
+        if self.outer is not None:  # [Note: the outer step on shards]: the loaded masters are the last synced ones
+            self.outer.forget()
 
     def restore_module(self) -> Dict[int, nn.Parameter]:
         """Removes the hooks and puts full, plain parameters (master dtype) back into the modules, unit by
@@ -239,4 +248,6 @@ class MiCSEngine:
         for o in optimizers:
             for st in o.state.values():
                 opt += sum(nbytes(v) for v in st.values() if isinstance(v, Tensor) and v.dim() > 0)
+        if self.outer is not None:  # the outer optimizer's: the anchors and their momentum
+            opt += sum(nbytes(t) for t in self.outer.buffers())
         return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}

@@ -46,14 +46,16 @@ class UnitGrads:
     """One unit's gradients: its buckets, this window's accumulator (and ZeRO-1's local one), which parameters got one. It
     reads the unit's layout and writes only the full parameters' ``.grad`` and the DTensors' ``.grad``."""
 
-    def __init__(self, unit: Unit, bucket_size: int, quantize: Optional[quantized.QuantizeSpec] = None) -> None:
+    def __init__(self, unit: Unit, bucket_size: int, quantize: Optional[quantized.QuantizeSpec] = None,
+                 apart: bool = False) -> None:
         self.unit, self.params, self.topo, self.log = unit, unit.params, unit.topo, unit.log
         self.quantize = quantize or quantized.QuantizeSpec()  # [Note: quantized replica sync]
         self._residuals: Dict[Tuple[int, ...], quantized.Residual] = {}  # error feedback, per bucket
         self.s, self.kernels, self.device = unit.s, unit.kernels, unit.device
         self.param_dtype, self.reduce_dtype = unit.param_dtype, unit.reduce_dtype
         self.shard_numel = unit.shard_flat.numel()
-        self.dp_size = unit.topo.layout.dp_size  # gradients average over the data-parallel ranks (W / t)
+        # gradients average over the data-parallel ranks (W / t); replica groups ``apart`` (DiLoCo): over the s ranks
+        self.dp_size, self.replicas = (unit.s, 1) if apart else (unit.topo.layout.dp_size, unit.topo.layout.replicas)
         self.bucket_size = bucket_size
         self.needs_reduce = False
         self.accum: Optional[Tensor] = None  # this window's reduced shard gradients (reduce_dtype), lazily
@@ -188,7 +190,7 @@ class UnitGrads:
         self.replica_issued = True
         if self.accum is None:  # no gradient reached this unit in the window on this rank: still take part
             self.accum = torch.zeros(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
-        if self.topo.layout.replicas == 1:
+        if self.replicas == 1:
             return
         if self.rows is not None:  # the all-reduce's first half: the rows this replica steps
             res = self.rows.reduce_scatter(self.accum, async_op=True)
@@ -271,7 +273,7 @@ class UnitGrads:
         if self.rows is not None:
             self.reduced.add_(self.rows.reduce_scatter(after, async_op=False).output)
             return
-        if self.topo.layout.replicas > 1:
+        if self.replicas > 1:
             for bucket in self.buckets(self.trainable()):
                 self._all_reduce_bucket(bucket, after, async_op=False)
         self.accum.add_(after)
@@ -329,8 +331,10 @@ class GradientPath:
     boundary, and the replicated parameters' reducer ([Note: replicated gradients] in replicated.py)."""
 
     def __init__(self, units: List[Unit], reducer: ReplicatedReducer, bucket_size: int,
-                 optimizer_state_only: bool, quantize: Optional[quantized.QuantizeSpec] = None) -> None:
-        self.all = [UnitGrads(u, bucket_size, quantize) for u in units]
+                 optimizer_state_only: bool, quantize: Optional[quantized.QuantizeSpec] = None,
+                 apart: bool = False) -> None:
+        """``apart``: the replica groups train apart ([Note: DiLoCo across replica groups] in options.py)."""
+        self.all = [UnitGrads(u, bucket_size, quantize, apart) for u in units]
         self._of = {id(g.unit): g for g in self.all}
         self.reducer = reducer
         self.optimizer_state_only = optimizer_state_only

@@ -29,6 +29,7 @@ from lightning_mics.checkpoint import beside as beside
 from lightning_mics.checkpoint import files as files
 from lightning_mics.checkpoint import steps as steps
 from lightning_mics.checkpoint import feedback as feedback
+from lightning_mics.checkpoint import diloco as diloco
 from lightning_mics.frontends.shared import engine_holding, engine_of
 
 Strategy = Any  # lightning_mics.fabric.MiCSStrategy (not imported: that module imports this one)
@@ -64,6 +65,11 @@ def _check_filter(filter: Dict[str, Any], modules: Dict[str, nn.Module], meta: D
                              "bool (an optimizer's state is saved whole).")
 
 
+def _optimizers_of(engines: Dict[str, Any], optimizers: Dict[str, Tuple[Optimizer, Any]]) -> Dict[str, List[Optimizer]]:
+    """Per module key, the optimizers (in the state's order) that step its engine's shards."""
+    return {k: [o for o, owner in optimizers.values() if owner is e] for k, e in engines.items() if e is not None}
+
+
 def _kept(fn: Any, entries: Dict[str, Any], decide: bool = True) -> Dict[str, Any]:
     """Lightning's filter: the entries for which ``fn(name, value)`` is true (``decide``: this rank calls it)."""
     return {k: v for k, v in entries.items() if fn(k, v)} if decide else entries
@@ -95,9 +101,12 @@ def save(strategy: Strategy, path: Any, state: Dict[str, Any], storage_options: 
                             for k, o in optimizers.items()})
             tensors.update(feedback.entries(engines, strategy.global_rank))
             tensors.update(beside.take(meta, skip=()))  # [Note: DTensors beside the model]
+            inner = _optimizers_of(engines, {k: (o, owners[k][1]) for k, o in optimizers.items()})
+            tensors.update(diloco.entries(engines, inner, strategy.global_rank))  # [Note: DiLoCo in checkpoints]
             meta[files.MARKER] = files.marker("sharded", fabric=info, world_size=strategy.world_size,
                                               shard_size=strategy.topology.layout.shard_size,
-                                              error_feedback=feedback.layouts(engines))
+                                              error_feedback=feedback.layouts(engines),
+                                              diloco=diloco.layouts(engines, inner))
             ckpt.write_sharded(tensors, meta, Path(path), token, coordinator=strategy.is_global_zero)
             return
         beside.gather_full(meta, skip=())
@@ -153,6 +162,7 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
     with torch.inference_mode(False):
         if full is not None:
             feedback.warn_full({k: engine_of(m) for k, m in modules.items()}, path)
+            diloco.forget({k: engine_of(m) for k, m in modules.items()}, path)
             for k, m in modules.items():
                 if k in full:
                     _load_module(m, full.pop(k), strict)
@@ -172,11 +182,15 @@ def load(strategy: Strategy, path: Any, state: Union[None, nn.Module, Optimizer,
             residuals = feedback.targets(index, engines, meta[files.MARKER].get("error_feedback"),
                                          strategy.global_rank, path)
             kept = beside.targets(meta, strategy.topology.mesh, skip=(files.MARKER,))
-            ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only, extra={**residuals, **kept})
+            inner = _optimizers_of(engines, {k: (o, e) for k, (_, o, e) in opts.items()})
+            outer = diloco.targets(index, engines, inner, meta[files.MARKER].get("diloco"), strategy.global_rank, path)
+            ckpt.load_sharded_entries(path, index, mods, opts, strict, weights_only,
+                                      extra={**residuals, **kept, **outer})
             feedback.restore(engines, residuals)
             beside.put_back(meta, kept, skip=(files.MARKER,))
             for m, e in mods.values():  # the shards were read in place; buffers and plain modules through this
                 ckpt.apply_model_state(m, ckpt.model_state(m, e, settle=False), e)
+            diloco.restore(engines, inner, outer)
             remainder = dict(meta)
     remainder.pop(files.MARKER, None)
     for k, v in rest.items():

@@ -26,6 +26,7 @@ from lightning_mics.checkpoint import beside as beside
 from lightning_mics.checkpoint import files as files
 from lightning_mics.checkpoint import steps as steps
 from lightning_mics.checkpoint import feedback as feedback
+from lightning_mics.checkpoint import diloco as diloco
 from lightning_mics.frontends.shared import unwrap
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def checkpoint_model_state(strategy: Strategy) -> Dict[str, Any]:
 def load_model_state_dict(strategy: Strategy, checkpoint: Mapping[str, Any], strict: bool) -> None:
     if steps.checkpoint_format(checkpoint) == "sharded":  # read in place by load_checkpoint; this applies edits
         ckpt.apply_model_state(strategy.lightning_module, checkpoint["state_dict"], strategy._live_engine(), strict)
+        diloco.restore_model({"model": strategy._live_engine()}, checkpoint.get(diloco.KEY + "_loaded"))
         return
     engine = strategy._live_engine()
     if engine is None:
@@ -74,6 +76,7 @@ def load_optimizer_state_dict(strategy: Strategy, checkpoint: Mapping[str, Any])
     if steps.checkpoint_format(checkpoint) == "sharded":
         for optimizer, state in zip(optimizers, checkpoint["optimizer_states"]):
             ckpt.load_optimizer_by_name(strategy.lightning_module, optimizer, state, strategy._loaded_from, engine)
+        diloco.restore_optimizers({"model": engine}, {"model": optimizers})  # [Note: DiLoCo in checkpoints]
         return
     if engine is None:
         return ParallelStrategy.load_optimizer_state_dict(strategy, checkpoint)
@@ -91,10 +94,12 @@ def save_checkpoint(strategy: Strategy, checkpoint: Dict[str, Any], filepath: An
         steps.refuse_remote_sharded(path, storage_options)
         checkpoint["state_dict"] = _as_sharded_state(strategy, checkpoint.get("state_dict"))
         engines = {"model": strategy._live_engine()}  # [Note: residuals in checkpoints]
+        optimizers = {"model": [unwrap(o) for o in strategy.optimizers]}  # [Note: DiLoCo in checkpoints]
         layout = {"world_size": strategy.world_size, "shard_size": strategy._shard_size,
-                  "error_feedback": feedback.layouts(engines)}
+                  "error_feedback": feedback.layouts(engines), "diloco": diloco.layouts(engines, optimizers)}
         ckpt.save_sharded(checkpoint, Path(path), token, coordinator=strategy.is_global_zero, layout=layout,
-                          extra={**feedback.entries(engines, strategy.global_rank), **beside.take(checkpoint)})
+                          extra={**feedback.entries(engines, strategy.global_rank), **beside.take(checkpoint),
+                                 **diloco.entries(engines, optimizers, strategy.global_rank)})
         return
     # [Note: DTensors beside the model] in checkpoint/beside.py; a DTensor in state_dict (WeightAveraging's average)
     # is gathered too, but loads as the full state dict it then is: only the others are sliced back
@@ -137,6 +142,7 @@ def load_checkpoint(strategy: Strategy, checkpoint_path: Any, weights_only: Opti
     engines = {"model": engine}
     if full is not None:
         feedback.warn_full(engines, path)
+        diloco.forget(engines, path)
         beside.slice_back(full, (full.get(files.MARKER) or {}).get("beside") or [], strategy.topology.mesh)
         return full
     assert meta is not None and index is not None
@@ -145,11 +151,14 @@ def load_checkpoint(strategy: Strategy, checkpoint_path: Any, weights_only: Opti
     residuals = feedback.targets(index, engines, meta[files.MARKER].get("error_feedback"), strategy.global_rank,
                                  path)
     kept = beside.targets(meta, strategy.topology.mesh)
+    outer = diloco.targets(index, engines, {"model": [unwrap(o) for o in strategy.optimizers]},
+                           meta[files.MARKER].get("diloco"), strategy.global_rank, path)
     state = ckpt.load_sharded(path, index, module, optimizers, strict=module.strict_loading,
-                              weights_only=weights_only, engine=engine, extra={**residuals, **kept})
+                              weights_only=weights_only, engine=engine, extra={**residuals, **kept, **outer})
     feedback.restore(engines, residuals)
     beside.put_back(meta, kept)
     meta["state_dict"] = state["state_dict"]
+    meta[diloco.KEY + "_loaded"] = state.get(diloco.KEY) and {diloco.KEY: state[diloco.KEY]}  # for load_model_state_dict
     if meta[files.MARKER].get("optimizers") is not None:
         meta["optimizer_states"] = [state[f"optimizer_{i}"] for i in range(len(optimizers))]
     return meta

@@ -145,6 +145,41 @@ ROWS = [
     ("quantized-gather-hierarchical-off", TRAINER,
      dict(sharded_data_parallel_degree=2, ranks_per_node=1, hierarchical_allgather=False, quantize_allgather=True),
      dict(devices=4), ["allowed is False", "hierarchical_allgather=False"]),
+    # DiLoCo ([Note: DiLoCo across replica groups] in options.py): values, combinations, the layout
+    ("replica-sync-unknown", BOTH, dict(replica_sync="local_sgd"), {},
+     ["replica_sync='local_sgd'", "allowed is 'exact' (the replica all-reduce every optimizer step) or 'diloco'"]),
+    ("sync-every-zero", BOTH, dict(replica_sync="diloco", sync_every=0), {}, ["sync_every=0", "allowed is an integer >= 1"]),
+    ("sync-every-float", BOTH, dict(replica_sync="diloco", sync_every=2.5), {},
+     ["sync_every=2.5", "allowed is an integer >= 1"]),
+    ("outer-lr-zero", BOTH, dict(replica_sync="diloco", outer_lr=0), {}, ["outer_lr=0", "allowed is a positive finite"]),
+    ("outer-momentum-one", BOTH, dict(replica_sync="diloco", outer_momentum=1.0), {},
+     ["outer_momentum=1.0", "allowed is a number in [0, 1)"]),
+    ("outer-nesterov-string", BOTH, dict(replica_sync="diloco", outer_nesterov="yes"), {},
+     ["outer_nesterov='yes'", "allowed is True or False"]),
+    ("nesterov-without-momentum", BOTH, dict(replica_sync="diloco", outer_momentum=0.0), {},
+     ["outer_nesterov=True", "allowed is False with outer_momentum=0"]),
+    ("exact-with-sync-every", BOTH, dict(sync_every=4), {},
+     ["sync_every=4", "allowed is the default 16 unless replica_sync='diloco'"]),
+    ("exact-with-outer-lr", BOTH, dict(outer_lr=1.0), {}, ["outer_lr=1.0", "allowed is the default 0.7 unless"]),
+    ("exact-with-outer-momentum", BOTH, dict(outer_momentum=0.0), {}, ["outer_momentum=0.0", "the default 0.9 unless"]),
+    ("exact-with-outer-nesterov", BOTH, dict(outer_nesterov=False), {}, ["outer_nesterov=False", "the default True"]),
+    ("diloco-zero1", BOTH, dict(replica_sync="diloco", shard_optimizer_state=True, sharded_data_parallel_degree=1), {},
+     ["shard_optimizer_state=True", "allowed is False with replica_sync='diloco'"]),
+    ("diloco-rows-over-replicas", BOTH,
+     dict(replica_sync="diloco", shard_optimizer_state=True, sharded_data_parallel_degree=2), {},
+     ["shard_optimizer_state=True", "allowed is False with replica_sync='diloco'"]),
+    ("diloco-error-feedback", BOTH, dict(replica_sync="diloco", quantize_gradients="error_feedback"), {},
+     ["quantize_gradients='error_feedback'", "allowed is False or True with replica_sync='diloco'"]),
+    ("diloco-fault-tolerance", BOTH, dict(replica_sync="diloco", fault_tolerance=True), {},
+     ["fault_tolerance=True", "allowed is False with replica_sync='diloco'"]),
+    ("diloco-tensor-parallel", BOTH, dict(replica_sync="diloco", tensor_parallel_degree=2), {},
+     ["tensor_parallel_degree=2", "allowed is 1 with replica_sync='diloco'"]),
+    ("diloco-one-replica", TRAINER, dict(replica_sync="diloco", sharded_data_parallel_degree=4), dict(devices=4),
+     ["replica_sync='diloco'", "allowed is 'exact' with sharded_data_parallel_degree=4 and one replica group"]),
+    ("fabric-diloco-one-replica", FABRIC, dict(replica_sync="diloco", sharded_data_parallel_degree=2), dict(devices=2),
+     ["replica_sync='diloco'", "allowed is 'exact' with sharded_data_parallel_degree=2 and one replica group"]),
+    ("diloco-one-replica-8", CONFIG, dict(replica_sync="diloco", sharded_data_parallel_degree=8), (8, 8),
+     ["replica_sync='diloco'", "one replica group"]),
     # against the precision (when the Trainer or Fabric is made)
     ("stop-with-16-mixed", TRAINER, dict(stop_on_nonfinite=True), dict(devices=2, plugins=["16-mixed"]),
      ["stop_on_nonfinite=True", "precision='16-mixed'", "allowed is False there"]),
@@ -190,6 +225,9 @@ def test_refused_naming_option_value_and_allowed(kind, options, around, expected
     dict(tensor_parallel_degree=2, state_dict_type="full"),  # full checkpoints gather the tp parts too
     dict(shard_optimizer_state=True, sharded_data_parallel_degree=2),  # [Note: optimizer rows over replicas]
     dict(shard_optimizer_state=True, sharded_data_parallel_degree=2, prefetch=2, max_live_parameters=100),
+    dict(replica_sync="diloco"),  # the outer defaults: H = 16, Nesterov SGD at lr 0.7, momentum 0.9
+    dict(replica_sync="diloco", sync_every=1, outer_lr=1, outer_momentum=0, outer_nesterov=False),
+    dict(replica_sync="diloco", quantize_gradients=True),
 ])
 def test_accepted(options):
     MiCSStrategy(**options)
@@ -199,3 +237,6 @@ def test_accepted_against_the_world():
     assert MiCSConfig(tensor_parallel_degree=2).validate_world(8, 8) == 4
     # [Note: quantized optimizer rows]: int8 with the rows over replicas (s > 1); at s = 1 (ZeRO-1) nothing to quantize
     MiCSConfig(shard_optimizer_state=True, sharded_data_parallel_degree=2, quantize_gradients=True).validate_world(4, 2)
+    # DiLoCo at s = 1 (every parameter replicated): its pseudo-gradients go in int8 all the same
+    assert MiCSConfig(replica_sync="diloco", sharded_data_parallel_degree=1, quantize_gradients=True
+                      ).validate_world(4, 4) == 1

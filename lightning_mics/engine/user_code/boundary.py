@@ -49,6 +49,7 @@ class UserCodeBoundary:
         self._kept: Set[int] = set()  # units the schedule kept gathered after a pass, until a pass uses them
         self._steps = StepWatch(self.step_begins, self.step_ended)
         self._closure_step = self._evaluated = False  # [Note: evaluations inside a step]
+        self.outer: Any = None  # DiLoCo's outer loop, told of each step ([Note: the outer step on shards] in outer_sync.py)
         for unit in units:
             unit.lending = self
 
@@ -179,10 +180,15 @@ class UserCodeBoundary:
         self.refuse_rebinding()
         if not self._closure_step:
             self.masters_read(step=True)
+        if self.outer is not None:
+            self.outer.step_begins()
 
     def step_ended(self) -> None:
-        """The outermost watched step ended: the masters moved ([``Schedule.after_optimizer_step``])."""
+        """The outermost watched step ended: the masters moved ([``Schedule.after_optimizer_step``]), and every H-th
+        step DiLoCo's outer step moves them again first."""
         self.refuse_rebinding()
+        if self.outer is not None:
+            self.outer.step_ended()
         self.schedule.after_optimizer_step()
 
     @contextmanager

@@ -1,0 +1,111 @@
+"""DiLoCo's quality against exact sync: the main job's validation loss at equal tokens.
+
+Runs the main job (``python -m lightning_mics.app.train``) once per configuration, on 4 CPU ranks with s = 2 (two
+replica groups), the same seed, data, model and number of optimizer steps (so the same tokens), and prints a markdown
+table of each run's validation loss at every validation point, with the final loss relative to exact sync:
+
+    python benchmarks/diloco_quality.py            # exact, H = 4, 8, 16, 32 and 16 with int8; 192 steps each
+    python benchmarks/diloco_quality.py --steps 96 --runs exact diloco:16 diloco:16:int8
+
+A run is ``exact`` or ``diloco:<H>[:int8][:lr=<x>][:momentum=<x>]`` (int8: ``quantize_gradients=True``, the
+pseudo-gradients in int8 blocks; lr, momentum: the outer SGD's, else DiLoCo's 0.7 and 0.9 with Nesterov; momentum=0
+turns Nesterov off).
+Each job writes its run folder under ``--out`` (default ``outputs/diloco_quality``); the table reads their
+``report.json``. Validation runs every ``--val-every`` optimizer steps; keep it a multiple of every H, so that it
+always sees the synced model (between syncs each replica group holds its own). On the 2-core CPU machine 192 steps
+take about 3 minutes per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List
+
+
+def overrides(run: str, steps: int, val_every: int) -> List[str]:
+    base = ["trainer.devices=4", "strategy.sharded_data_parallel_degree=2", f"trainer.max_steps={steps}",
+            f"trainer.val_check_interval={val_every}", "callbacks.progress_bar.refresh_rate=0",
+            f"callbacks.checkpoint.every_n_train_steps={steps}"]
+    if run == "exact":
+        return base
+    parts = run.split(":")
+    if parts[0] != "diloco" or len(parts) < 2 or not parts[1].isdigit():
+        raise SystemExit(f"a run is 'exact' or 'diloco:<H>[:int8][:lr=<x>][:momentum=<x>]', got {run!r}")
+    out = base + ["strategy.replica_sync=diloco", f"strategy.sync_every={int(parts[1])}"]
+    for part in parts[2:]:
+        key, _, value = part.partition("=")
+        if part == "int8":
+            out.append("strategy.quantize_gradients=true")
+        elif key in ("lr", "momentum") and value:
+            out.append(f"strategy.outer_{key}={float(value)}")
+            if key == "momentum" and float(value) == 0:
+                out.append("strategy.outer_nesterov=false")
+        else:
+            raise SystemExit(f"{run!r}: {part!r} is not int8, lr=<x> or momentum=<x>")
+    return out
+
+
+def run_job(run: str, steps: int, val_every: int, out: Path, reuse: bool = False) -> Dict:
+    run_id = run.replace(":", "-").replace("=", "")
+    folder = out / run_id
+    if reuse and (folder / "report.json").exists():  # a run of an earlier call with the same --out
+        report = json.loads((folder / "report.json").read_text())
+        if report["steps"] == steps:
+            return {**report, "wall_s": float("nan")}
+    cmd = [sys.executable, "-m", "lightning_mics.app.train", *overrides(run, steps, val_every), f"run_id={run_id}",
+           f"hydra.run.dir={folder}"]
+    start = time.monotonic()
+    log = out / f"{run_id}.log"
+    with open(log, "w") as f:
+        code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ))
+    if code != 0:
+        raise SystemExit(f"{run}: the job failed (exit {code}); see {log}")
+    report = json.loads((folder / "report.json").read_text())
+    report["wall_s"] = time.monotonic() - start
+    return report
+
+
+def table(runs: List[str], reports: Dict[str, Dict]) -> str:
+    points = [step for step, _ in reports[runs[0]]["val_loss_history"]]
+    exact = reports.get("exact")
+    head = "| run | tokens | " + " | ".join(f"val loss @ step {p + 1}" for p in points) + \
+        " | final vs exact | replica syncs |"
+    lines = [head, "|" + "---|" * (len(points) + 4)]
+    for run in runs:
+        r = reports[run]
+        losses = dict((s, v) for s, v in r["val_loss_history"])
+        rel = f"{(r['val_loss_final'] / exact['val_loss_final'] - 1) * 100:+.1f}%" if exact else "-"
+        syncs = r["steps"] if run == "exact" else r["steps"] // int(run.split(":")[1])  # outer steps
+        lines.append(f"| {run} | {r['tokens']:,} | " + " | ".join(f"{losses.get(p, float('nan')):.4f}" for p in points)
+                     + f" | {rel} | {syncs} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", nargs="+",
+                    default=["exact", "diloco:4", "diloco:8", "diloco:16", "diloco:32", "diloco:16:int8"])
+    ap.add_argument("--steps", type=int, default=192)
+    ap.add_argument("--val-every", type=int, default=32, help="validation interval, in optimizer steps")
+    ap.add_argument("--out", type=Path, default=Path("outputs/diloco_quality"))
+    ap.add_argument("--reuse", action="store_true", help="take a run's report from --out where it exists")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    reports = {}
+    for run in args.runs:
+        reports[run] = run_job(run, args.steps, args.val_every, args.out, args.reuse)
+        print(f"{run}: val loss {reports[run]['val_loss_final']:.4f} after {reports[run]['tokens']:,} tokens "
+              f"({reports[run]['wall_s']:.0f} s)", flush=True)
+    text = table(args.runs, reports)
+    (args.out / "table.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

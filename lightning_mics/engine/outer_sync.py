@@ -1,0 +1,144 @@
+"""DiLoCo's outer loop on the sharded layout ([Note: DiLoCo across replica groups] in options.py): the anchor (the
+last synced masters), the pseudo-gradients, their average over the replica groups, the outer SGD.
+
+[Note: the outer step on shards]
+Rank k of every replica group holds the same rows of the model (its shard of each unit, and the replicated
+parameters whole), so DiLoCo's sync needs no gather: each rank averages the change of its own masters since the last
+sync, ``anchor - masters`` (in fp32), with rank k of the other groups (one all-reduce on the replica group, in int8
+blocks with ``quantize_gradients=True``), and takes a step of ``torch.optim.SGD`` over the anchors with that average as
+their gradient; the anchors are then copied into the masters. Invariant: after every outer step each master equals its
+anchor on every replica group, and the anchor and the outer momentum are the same on every rank of a replica group
+(the same inputs, the same fp32 ops). Between outer steps the anchor is untouched. The sync runs at the end of every
+``sync_every``-th optimizer step the engine hears of, before the schedule refreshes what stays gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from lightning_mics.comm import collectives, quantized
+from lightning_mics.comm.telemetry import CommLog
+from lightning_mics.layout.topology import Topology
+from lightning_mics.engine.unit import Unit
+
+
+class OuterSync:
+    """The outer loop of one engine: its anchors, the outer SGD over them, the count of inner steps since the last
+    sync ([Note: the outer step on shards])."""
+
+    def __init__(self, units: List[Unit], topo: Topology, options: Any, log: CommLog) -> None:
+        self.topo, self.log = topo, log
+        self.sync_every = options.sync_every
+        self.lr, self.momentum, self.nesterov = options.outer_lr, options.outer_momentum, options.outer_nesterov
+        self.quantize = bool(options.quantize_gradients)
+        self.block_size, self.kernels = options.quantization_block_size, options.kernels
+        # the masters, in a fixed order (the same on every rank of a replica group): each unit's flat shard, then
+        # its replicated parameters
+        self.masters: List[Tensor] = []
+        for unit in units:
+            if unit.params:
+                self.masters.append(unit.shard_flat)
+            self.masters.extend(rp.local for rp in unit.replicated)
+        self.anchors: Optional[List[Tensor]] = None  # taken at the first step (after any load)
+        self.optimizer: Optional[torch.optim.SGD] = None
+        self.steps = 0  # inner optimizer steps since the last outer step
+        self.outer_steps = 0
+        self.loaded_inner: Optional[Dict[str, Any]] = None  # a load's inner optimizer state, until the optimizers load
+
+    # -- the anchor -------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def take_anchors(self) -> None:
+        """The current masters become the last synced ones (setup, a load without outer state); the outer momentum
+        starts from zero."""
+        self.anchors = [m.detach().float().clone() for m in self.masters]
+        self.optimizer = torch.optim.SGD(self.anchors, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+
+    def forget(self) -> None:
+        """The masters were replaced (a load): the anchors are taken again before the next step."""
+        self.anchors, self.optimizer, self.steps = None, None, 0
+
+    def step_begins(self) -> None:
+        """An inner optimizer step begins: the first one takes the anchors (the masters as the run starts)."""
+        if self.anchors is None:
+            self.take_anchors()
+
+    def step_ended(self) -> None:
+        """An inner optimizer step ended: every ``sync_every``-th one is followed by the outer step. Collective over
+        the replica group."""
+        if self.anchors is None:  # a step nobody heard begin (cannot happen through the watch; kept safe)
+            self.take_anchors()
+        self.steps += 1
+        if self.steps >= self.sync_every:
+            self.sync()
+
+    def buffers(self) -> List[Tensor]:
+        """What the outer loop keeps (model-state accounting): the anchors and the outer momentum."""
+        if self.anchors is None or self.optimizer is None:
+            return []
+        momentum = [self.optimizer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
+        return [*self.anchors, *(m for m in momentum if m is not None)]
+
+    # -- the outer step ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def pseudo_gradient(self) -> Tensor:
+        """``anchor - master`` of every master, in one fp32 flat (this rank's contribution)."""
+        assert self.anchors is not None
+        return torch.cat([(a - m.float()).reshape(-1) for a, m in zip(self.anchors, self.masters)])
+
+    @torch.no_grad()
+    def average(self, flat: Tensor) -> Tensor:
+        """The mean of ``flat`` over the replica group, in place (int8 blocks with ``quantize_gradients``)."""
+        group, r = self.topo.replica_group, self.topo.layout.replicas
+        if r > 1:
+            if self.quantize:
+                quantized.quantized_all_reduce(flat, group, self.block_size, log=self.log, group_name="replicate",
+                                               kernels=self.kernels)
+            else:
+                collectives.all_reduce_sum(flat, group, log=self.log, group_name="replicate")
+            flat.mul_(1.0 / r)
+        return flat
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """[Note: the outer step on shards]: average the pseudo-gradients, step the anchors, copy them in."""
+        assert self.anchors is not None and self.optimizer is not None
+        flat = self.average(self.pseudo_gradient())
+        for a, g in zip(self.anchors, flat.split([a.numel() for a in self.anchors])):
+            a.grad = g.view_as(a)
+        self.optimizer.step()
+        for a, m in zip(self.anchors, self.masters):
+            a.grad = None
+            m.copy_(a)
+        self.steps = 0
+        self.outer_steps += 1
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+    def state(self) -> Dict[str, Any]:
+        """What resumes the outer loop: the anchors, the outer momentum, the inner steps since the last sync (the
+        anchors taken now if no step took them yet)."""
+        if self.anchors is None:
+            self.take_anchors()
+        assert self.optimizer is not None
+        momentum = [self.optimizer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
+        return {"anchors": list(self.anchors),
+                "momentum": [torch.zeros_like(a) if m is None else m for a, m in zip(self.anchors, momentum)],
+                "has_momentum": torch.tensor([m is not None for m in momentum]),
+                "steps": torch.tensor([self.steps, self.outer_steps], dtype=torch.int64)}
+
+    @torch.no_grad()
+    def load_state(self, state: Dict[str, Any]) -> None:
+        """Takes back ``state`` (of ``state()``, on a run of this layout: checked by the caller)."""
+        anchors = state["anchors"]
+        if [a.numel() for a in anchors] != [m.numel() for m in self.masters]:
+            raise ValueError("the checkpoint's DiLoCo anchors hold "
+                             f"{[a.numel() for a in anchors][:6]} elements, this rank's masters "
+                             f"{[m.numel() for m in self.masters][:6]}: it was saved with another model or layout")
+        self.anchors = [a.detach().float().clone().view_as(m) for a, m in zip(anchors, self.masters)]
+        self.optimizer = torch.optim.SGD(self.anchors, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
+        for a, m, has in zip(self.anchors, state["momentum"], state["has_momentum"].tolist()):
+            if has:
+                self.optimizer.state[a]["momentum_buffer"] = m.detach().float().clone().view_as(a)
+        self.steps, self.outer_steps = (int(v) for v in state["steps"].tolist())

@@ -1,0 +1,165 @@
+"""replica_sync="diloco" under the Trainer: 4 real gloo ranks, s = 2 (two replica groups) and s = 1 (four), a small
+residual MLP (tests/diloco/diloco_ranks.py), each run against a single-process simulation of the same algorithm.
+
+- H = 1 with outer SGD at lr 1 and no momentum equals exact sync and one plain process on the same global batches;
+- H = 3 with Nesterov momentum (two outer steps), accumulation 2 with clipping (H = 2), and s = 1 (pure replication,
+  H = 2) equal the simulation (the replica groups' inner loops in turn, the same outer step) to fp32 rounding;
+- int8 pseudo-gradients stay within the bound of [Note: the int8 outer bound] (diloco_ranks.py) of the simulation,
+  and the quantization did act;
+- under bf16-mixed (the outer step on the fp32 masters) within three times exact sync's own bf16 distance from
+  its fp32 simulation;
+- nothing crosses the replica groups inside a window: one all-reduce (int8: an all-to-all and an all-gather) on the
+  replica group at each sync step, none at the others (the dispatcher's count); exact sync has one per unit per step.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers.launch import REPO, run_ranks
+
+RANKS = REPO / "tests" / "diloco" / "diloco_ranks.py"
+pytestmark = pytest.mark.distributed
+
+PLAIN_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_nesterov": False}
+VARIANTS = [
+    {"steps": 3},  # exact sync
+    {"steps": 3, "replica_sync": "diloco", "sync_every": 1, **PLAIN_OUTER},
+    {"steps": 6, "replica_sync": "diloco", "sync_every": 3},  # the defaults: Nesterov, lr 0.7, momentum 0.9
+    {"steps": 4, "accum": 2, "clip": 0.05, "replica_sync": "diloco", "sync_every": 2},
+    {"steps": 3, "replica_sync": "diloco", "sync_every": 3, "quantize_gradients": True, "quantization_block_size": 32},
+    {"steps": 4, "s": 1, "replica_sync": "diloco", "sync_every": 2},
+    {"steps": 4, "precision": "bf16-mixed"},  # exact sync under bf16-mixed: the yardstick of bf16's rounding
+    {"steps": 4, "precision": "bf16-mixed", "replica_sync": "diloco", "sync_every": 2},
+]
+FP32 = 1e-6  # parameters are O(0.1-1); the runs and the simulation round differently by a few ulps at most
+U = 2.0 ** -24
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("diloco")
+    res = run_ranks(RANKS, 4, ["--variants", json.dumps(VARIANTS)], out)
+    return sorted(res, key=lambda r: r["rank"])
+
+
+def _replica(v, rank):
+    return rank // v.get("s", 2) if v.get("replica_sync") == "diloco" else 0
+
+
+def _distance(runs, k):
+    """Per rank: max |run - simulation| of that rank's replica, for variant k."""
+    v, sim = VARIANTS[k], runs[0]["sims"][k]["params"]
+    return [(torch.tensor(r["runs"][k]["params"]) - torch.tensor(sim[_replica(v, r["rank"])])).abs().max().item()
+            for r in runs]
+
+
+def test_h1_plain_outer_sgd_equals_exact_sync_and_one_plain_process(runs):
+    plain = torch.tensor(runs[0]["sims"][0]["params"][0])  # one process, the global batches
+    for r in runs:
+        exact, diloco = torch.tensor(r["runs"][0]["params"]), torch.tensor(r["runs"][1]["params"])
+        assert (exact - plain).abs().max().item() <= FP32
+        assert (diloco - plain).abs().max().item() <= FP32
+        assert (diloco - exact).abs().max().item() <= FP32
+    assert (plain - torch.tensor(runs[0]["sims"][0]["params"][0])).abs().max() == 0
+    moved = (plain - torch.tensor(runs[0]["sims"][2]["params"][0])).abs().max().item()
+    assert moved > 1e-3  # the other variants' trajectories are not this one (the comparison has power)
+
+
+@pytest.mark.parametrize("k", [2, 3, 5], ids=["h3_nesterov", "accum2_clip_h2", "s1_h2"])
+def test_equals_the_single_process_simulation(runs, k):
+    assert max(_distance(runs, k)) <= FP32, _distance(runs, k)
+    sim = runs[0]["sims"][k]["params"]
+    # the replicas end equal (the last step is a sync step), and DiLoCo is not exact sync on these batches
+    assert all(torch.equal(torch.tensor(p), torch.tensor(sim[0])) for p in sim)
+    exact_like = torch.tensor(runs[0]["sims"][1]["params"][0])
+    assert (torch.tensor(sim[0]) - exact_like).abs().max().item() > 1e-3
+    if VARIANTS[k].get("clip"):
+        assert runs[0]["sims"][k]["clipped"] >= 4  # clipping acted in at least half of the 8 replica steps
+
+
+def test_int8_pseudo_gradients_within_the_derived_bound(runs):
+    k = 4
+    v, sim = VARIANTS[k], runs[0]["sims"][k]
+    r = len(sim["pseudo_inf"])
+    mu = 0.9
+    bound = 0.7 * (1 + mu) * (2 / 254 + (r + 6) * U) * sum(sim["pseudo_inf"]) / r  # [Note: the int8 outer bound]
+    dist = _distance(runs, k)
+    assert max(dist) <= bound + FP32, (dist, bound)
+    assert min(dist) > 10 * FP32, dist  # the quantization did act
+    assert bound < 0.05  # and the bound says something (parameters are O(0.1-1))
+    # every rank of a shard rank agrees bit for bit after the int8 sync (the all-gather delivers the same rows)
+    assert runs[0]["runs"][k]["params"] == runs[2]["runs"][k]["params"]
+
+
+def test_bf16_mixed_outer_step_on_the_fp32_masters(runs):
+    """The same algorithm under bf16-mixed: the forward and backward round to bf16, which the fp32 simulation does not
+    model; that rounding is measured on exact sync (its distance to its own fp32 simulation) and DiLoCo's distance to
+    its simulation may be at most three times it. The replica groups end bit-equal (the last step is a sync step)."""
+    exact_bf16 = max(_distance(runs, 6))
+    diloco_bf16 = max(_distance(runs, 7))
+    assert 0 < exact_bf16 < 0.05 and diloco_bf16 <= 3 * exact_bf16 + FP32, (exact_bf16, diloco_bf16)
+    assert runs[0]["runs"][7]["params"] == runs[2]["runs"][7]["params"]
+    assert runs[1]["runs"][7]["params"] == runs[3]["runs"][7]["params"]
+
+
+def test_nothing_crosses_the_replica_groups_inside_a_window(runs):
+    for r in runs:
+        exact = r["runs"][0]["replica_traffic"]
+        assert all(len(batch) == 3 and {op for op, _ in batch} == {"all_reduce"} for batch in exact)  # 3 units
+        for k in (1, 2, 3, 4, 5, 7):
+            v = VARIANTS[k]
+            accum, every = v.get("accum", 1), v["sync_every"]
+            for b, batch in enumerate(r["runs"][k]["replica_traffic"]):
+                step_end = (b + 1) % accum == 0
+                sync = step_end and ((b + 1) // accum) % every == 0
+                want = (["all_to_all", "all_gather"] if v.get("quantize_gradients") else ["all_reduce"]) if sync else []
+                assert [op for op, _ in batch] == want, (k, b, batch)
+
+
+def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path):
+    """A sharded checkpoint after step 3 (one step into a window, H = 2) resumed to step 6 ends where the
+    uninterrupted run ends, on every rank, bit for bit: each replica's masters and inner momentum, the anchors, the
+    outer momentum and the step count came back ([Note: DiLoCo in checkpoints])."""
+    res = sorted(run_ranks(REPO / "tests" / "diloco" / "diloco_resume.py", 4, [], tmp_path), key=lambda r: r["rank"])
+    for r in res:
+        assert r["whole"]["step"] == r["resumed"]["step"] == 6 and r["first"]["step"] == 3
+        assert r["first"]["steps_at_save"] == 1  # saved inside a window
+        assert r["resumed"]["params"] == r["whole"]["params"], r["rank"]
+    # the replica groups held different masters at the save: one shared copy would not have resumed this run
+    assert res[0]["first"]["at_save"] != res[2]["first"]["at_save"]
+
+
+def test_fabric_loop_equals_the_simulation_and_resumes_exactly(tmp_path):
+    """Under Fabric (no_backward_sync, accumulation 2, fabric.clip_gradients, H = 2): the loop equals the
+    single-process simulation; fabric.save after step 3 and fabric.load into a new model and optimizer continue it
+    bit for bit."""
+    res = sorted(run_ranks(REPO / "tests" / "diloco" / "diloco_fabric.py", 4, [], tmp_path), key=lambda r: r["rank"])
+    sim = res[0]["sim"]
+    assert sim["clipped"] >= 4
+    for r in res:
+        mine = torch.tensor(r["loop"]) - torch.tensor(sim["params"][r["rank"] // 2])
+        assert mine.abs().max().item() <= FP32, r["rank"]
+        assert r["resumed"] == r["loop"], r["rank"]
+
+
+def test_main_job_config_takes_diloco():
+    """``strategy.replica_sync=diloco`` and the outer options compose through the main job's structured config (the
+    schema types them) into a MiCSStrategy that holds them; a wrong type fails at compose."""
+    from hydra import compose, initialize_config_module
+    from hydra.errors import ConfigCompositionException
+    from hydra.utils import instantiate
+
+    from lightning_mics.app.train import CONF_MODULE
+
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "strategy.sharded_data_parallel_degree=2", "strategy.replica_sync=diloco", "strategy.sync_every=4",
+            "strategy.outer_lr=0.5", "strategy.quantize_gradients=true"])
+        with pytest.raises(ConfigCompositionException):
+            compose(config_name="config", overrides=["strategy.sync_every=often"])
+    strategy = instantiate(cfg.strategy)
+    o = strategy.options
+    assert (o.replica_sync, o.sync_every, o.outer_lr, o.outer_momentum, o.outer_nesterov, o.quantize_gradients) == \
+        ("diloco", 4, 0.5, 0.9, True, True)
