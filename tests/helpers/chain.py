@@ -4,9 +4,9 @@
 
 Each rank runs every script of ``--runs`` in turn as ``__main__`` (``runpy``, as ``tests/helpers/launch.py`` runs
 one), with its own ``sys.argv``, ``--out DIR/<k>`` and the launch's environment; the process group the first one
-makes (Lightning's) is the later ones'. A rank's start (the fork, the process group, the first fit's lazy imports and warm-up) costs about
-1.5 CPU-seconds per rank on the 2-core machine while a small fit costs a fraction of that, so a test file's
-launches of the same world share one. A script that fails fails its rank, and ``run_ranks`` ends the launch with
+makes (Lightning's) is the later ones'. A rank's start (the fork, the process group, the first fit's lazy imports
+and warm-up) costs about 1.5 CPU-seconds per rank on the 2-core machine while a small fit costs a fraction of
+that, so a test file's launches of the same world share one. A script that fails fails its rank, and ``run_ranks`` ends the launch with
 every rank's log, as a launch of that script alone would. ``run_chain`` launches it and returns each script's
 results (``run_ranks``'s list, one dict per rank), in the order of ``runs``.
 """
