@@ -1,11 +1,18 @@
-"""Which collective runs on which group, how often: counted by a TorchDispatchMode around every batch."""
+"""Which collective runs on which group, how often: counted by a TorchDispatchMode around every batch.
+
+Every run of this file (equiv.py's fits, staging.py's, replica_sync.py's, torch_names.py's) goes in one launch of
+4 ranks, one script after another in the same processes (``tests/helpers/chain.py``), each with the arguments it had
+in a launch of its own: a launch's start costs more than its small fits (10 forked launches and 2 of fresh
+interpreters were 83 CPU-seconds for the file; one launch, 30).
+Each test reads its own run's results."""
 
 import json
 from collections import Counter
 
 import pytest
 
-from tests.helpers.launch import REPO, run_ranks
+from tests.helpers.chain import run_chain
+from tests.helpers.launch import REPO
 
 SCRIPT = REPO / "tests" / "engine" / "equiv.py"
 pytestmark = pytest.mark.distributed
@@ -16,10 +23,40 @@ WORLD = [0, 1, 2, 3]
 WORLD_T = tuple(WORLD)
 
 
-def test_two_hop_sync_with_accumulation(tmp_path):
+RUNS = {  # name: (script, its arguments), every one on 4 ranks
+    "two_hop_sync": (SCRIPT, ["--model", "gpt", "--s", "2", "--steps", "2", "--accum", "4", "--bucket", "3000",
+                              "--clip", "1.0", "--count"]),
+    # the telemetry's bytes and the replica all-reduce's order: the same fit
+    "accum2": (SCRIPT, ["--model", "gpt", "--s", "2", "--steps", "2", "--accum", "2", "--count"]),
+    "two_hop_groups": (SCRIPT, ["--model", "gpt", "--steps", "2", "--count", "--variants", json.dumps(
+        [{"s": 4, "ranks_per_node": 2}, {"s": 4, "ranks_per_node": 2, "hierarchical_allgather": False}])]),
+    "prefetch": (SCRIPT, ["--model", "gpt", "--layers", "4", "--steps", "3", "--count", "--markers", "--variants",
+                          json.dumps([{"s": 2, "prefetch": 0}, {"s": 2, "prefetch": 2}])]),
+    "live_cap": (SCRIPT, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count", "--variants", json.dumps(
+        [{"s": 2, "prefetch": 2, "max_live_parameters": 20000}, {"s": 2, "prefetch": 2}])]),
+    "replicated_buckets": (SCRIPT, ["--model", "gpt", "--s", "2", "--threshold", "200", "--bucket", "64", "--count"]),
+    "staging_32-true": (REPO / "tests" / "comm" / "staging.py", ["--accum", "2", "--steps", "2", "--precision",
+                                                                  "32-true"]),
+    "staging_bf16-mixed": (REPO / "tests" / "comm" / "staging.py", ["--accum", "2", "--steps", "2", "--precision",
+                                                                     "bf16-mixed"]),
+    "replica_sync": (REPO / "tests" / "comm" / "replica_sync.py", []),
+    # last: they leave their recorders on torch.distributed, the second without the new names
+    "names_new": (REPO / "tests" / "comm" / "torch_names.py", []),
+    "names_old": (REPO / "tests" / "comm" / "torch_names.py", ["--old-names"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{name: the ranks' results}: every run of ``RUNS`` in one launch of 4 ranks."""
+    names = list(RUNS)
+    res = run_chain(4, [RUNS[n] for n in names], tmp_path_factory.mktemp("dispatch"))
+    return dict(zip(names, res))
+
+
+def test_two_hop_sync_with_accumulation(runs):
     accum, steps = 4, 2
-    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--steps", str(steps), "--accum", str(accum),
-                                "--bucket", "3000", "--clip", "1.0", "--count"], tmp_path)
+    res = runs["two_hop_sync"]
     for r in res:
         rank = r["rank"]
         n_buckets, n_units = r["state_bytes"]["n_buckets"], r["state_bytes"]["n_units"]
@@ -50,11 +87,10 @@ def test_two_hop_sync_with_accumulation(tmp_path):
             assert set(c) <= allowed, set(c) - allowed
 
 
-def test_telemetry_bytes_agree_with_dispatch(tmp_path):
+def test_telemetry_bytes_agree_with_dispatch(runs):
     """The strategy's own per-step byte counters (logged to Lightning's loggers) equal what the dispatcher saw."""
     accum = 2
-    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--steps", "2", "--accum", str(accum), "--count"],
-                    tmp_path)
+    res = runs["accum2"]
     for r in res:
         rank = r["rank"]
         groups = {"shard": SHARD[rank], "replicate": REPLICA[rank], "world": WORLD}
@@ -74,12 +110,10 @@ def _cross_node_bytes(events, rank, per_node):
                for op, g, n in events if op == "all_gather" and g)
 
 
-def test_two_hop_all_gather_groups_and_cross_node_bytes(tmp_path):
+def test_two_hop_all_gather_groups_and_cross_node_bytes(runs):
     """s = 4 over 2 simulated nodes of 2 ranks: the two-hop gather runs on the inter group (same local rank,
     other node), then the intra group, and brings half the bytes across nodes that the flat gather does."""
-    variants = [{"s": 4, "ranks_per_node": 2}, {"s": 4, "ranks_per_node": 2, "hierarchical_allgather": False}]
-    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--steps", "2", "--count", "--variants", json.dumps(variants)],
-                    tmp_path)
+    res = runs["two_hop_groups"]
     for r in res:
         rank = r["rank"]
         two_hop, flat = r["variants"]
@@ -99,13 +133,11 @@ def test_two_hop_all_gather_groups_and_cross_node_bytes(tmp_path):
         assert cross_two_hop * 2 == cross_flat > 0
 
 
-def test_prefetch_issues_the_next_units_before_a_forward_runs(tmp_path):
+def test_prefetch_issues_the_next_units_before_a_forward_runs(runs):
     """A 4-block GPT: by the time block k's forward runs, the root and blocks 0..k are gathered and, with
     prefetch p, the next p blocks' all-gathers have been issued (from the second step on: the recorded order)."""
     blocks = 4
-    variants = [{"s": 2, "prefetch": 0}, {"s": 2, "prefetch": 2}]
-    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--layers", str(blocks), "--steps", "3", "--count", "--markers",
-                                "--variants", json.dumps(variants)], tmp_path)
+    res = runs["prefetch"]
     for r in res:
         for prefetch, v in zip((0, 2), r["variants"]):
             gathers, seen = 0, 0
@@ -123,14 +155,12 @@ def test_prefetch_issues_the_next_units_before_a_forward_runs(tmp_path):
         assert all(st["time/comm_wait_s"] >= 0 for st in r["variants"][1]["stats"])
 
 
-def test_live_gathered_parameters_stay_within_the_cap(tmp_path):
+def test_live_gathered_parameters_stay_within_the_cap(runs):
     """Live gathered elements, measured from storages at every dispatched op (tests/helpers/live.py): with
     prefetch 2 and max_live_parameters set, never more than the cap plus the largest unit; without the cap,
     more than that is alive, so the cap was what held it."""
     cap = 20000
-    variants = [{"s": 2, "prefetch": 2, "max_live_parameters": cap}, {"s": 2, "prefetch": 2}]
-    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--layers", "4", "--steps", "2", "--count",
-                                "--variants", json.dumps(variants)], tmp_path)
+    res = runs["live_cap"]
     for r in res:
         capped, free = r["variants"]
         largest = max(capped["state_bytes"]["unit_numels"])
@@ -140,11 +170,10 @@ def test_live_gathered_parameters_stay_within_the_cap(tmp_path):
     assert all(e["max_abs"] <= 1e-7 + 1e-5 * e["ref_max"] for e in res[0]["variants"][0]["errors"].values())
 
 
-def test_replicated_gradients_are_reduced_in_buckets_during_backward(tmp_path):
+def test_replicated_gradients_are_reduced_in_buckets_during_backward(runs):
     """Replicated parameters' gradients go in buckets as they become ready, as DDP does: with small buckets,
     several world all-reduces at the boundary, the first before backward's last reduce-scatter."""
-    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--threshold", "200", "--bucket", "64", "--count"],
-                    tmp_path)
+    res = runs["replicated_buckets"]
     for r in res:
         ops = [(op, tuple(g) if g else None) for op, g, _ in r["comms"][-1]]
         world = [i for i, (op, g) in enumerate(ops) if op == "all_reduce" and g == WORLD_T]
@@ -153,14 +182,13 @@ def test_replicated_gradients_are_reduced_in_buckets_during_backward(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, precision):
+def test_reduce_scatter_input_lies_in_the_released_units_storage(runs, precision):
     """[Note: staging in place] in full_storage.py: a unit released after its reduce-scatter lays the input out in
     its own full-parameter storage, which is freed once the collective is done; the root, kept gathered inside
     the accumulation window, stages elsewhere until the boundary. Under bf16-mixed the fp32 input does not fit
     the bf16 storage: every unit stages in a buffer of its own. The result equals one plain process."""
     accum = 2
-    res = run_ranks(REPO / "tests" / "comm" / "staging.py", 4, ["--accum", str(accum), "--steps", "2",
-                                                                   "--precision", precision], tmp_path)
+    res = runs[f"staging_{precision}"]
     for r in res:
         root, blocks = r["units"][0], r["units"][1:]
         assert len(blocks) == 2 and len(r["staged"]) == 2 * accum, r
@@ -177,14 +205,13 @@ def test_reduce_scatter_input_lies_in_the_released_units_storage(tmp_path, preci
         assert res[0]["max_rel"] < 1e-5, res[0]["max_rel"]
 
 
-def test_replica_all_reduce_starts_during_the_boundary_backward(tmp_path):
+def test_replica_all_reduce_starts_during_the_boundary_backward(runs):
     """[Note: replica sync overlap] in gradients.py: in the boundary micro-batch a unit's replica all-reduce is
     issued as soon as its reduce-scatter is done, before the backward's last reduce-scatter, in the fixed order
     reversed(units) on every rank; the first one right after its own reduce-scatter (nothing crosses the replica
     link before it); the micro-batches before the boundary issue none."""
     accum = 2
-    res = run_ranks(SCRIPT, 4, ["--model", "gpt", "--s", "2", "--steps", "2", "--accum", str(accum), "--count"],
-                    tmp_path)
+    res = runs["accum2"]
     for r in res:
         rank = r["rank"]
         n_units = r["state_bytes"]["n_units"]
@@ -207,10 +234,10 @@ def test_replica_all_reduce_starts_during_the_boundary_backward(tmp_path):
             assert sum(k < scatters[-1] for k in replica) == n_units - 2, ops
 
 
-def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(tmp_path):
+def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(runs):
     """The late part of an accumulator goes to a second buffer all-reduced at the end: the result equals one
     all-reduce of the sum, for buckets over consecutive and non-consecutive parameters (a frozen one between)."""
-    res = run_ranks(REPO / "tests" / "comm" / "replica_sync.py", 4, [], tmp_path)
+    res = runs["replica_sync"]
     for r in res:
         assert len(r["results"]) == 6, r  # root + 2 blocks, 2 bucket sizes
         assert any(e["nonconsecutive"] for e in r["results"]), r
@@ -218,15 +245,15 @@ def test_a_reduction_after_the_replica_all_reduce_was_issued_is_added(tmp_path):
             assert e["err"] <= 1e-6 and not e["late_left"] and not e["issued"], e
 
 
-NAMES_SCRIPT = REPO / "tests" / "comm" / "torch_names.py"
-
-
 @pytest.mark.parametrize("old_names", [False, True], ids=["torch-2.13-names", "older-torch-names"])
-def test_engine_collectives_run_under_either_torch_name(tmp_path, old_names):
+def test_engine_collectives_run_under_either_torch_name(runs, old_names):
     """Users on GPUs bring their own torch: where ``all_gather_single`` / ``reduce_scatter_single`` do not exist
     yet (before 2.13) the engine calls the older names, and on 2.13 the new ones (no deprecation warning).
-    Fresh interpreters: the script removes the new names before the package is first imported."""
-    res = run_ranks(NAMES_SCRIPT, 2, ["--old-names"] if old_names else [], tmp_path, timeout=120, fresh=True)
+    torch_names.py removes the new names from ``torch.distributed`` and wraps every name in a recorder after the
+    package was imported (the ranks are forked from the preloaded server, no longer fresh interpreters): the
+    engine looks the name up at each call, and one that bound a name at import would call none of the recorders
+    (``called`` empty) and fail here. The two runs end the module's launch, the older names last."""
+    res = runs["names_old" if old_names else "names_new"]
     for r in res:
         assert r["gather_ok"] and r["scatter_ok"]
         if old_names or not r["has_new_names"]:

@@ -9,7 +9,7 @@ module made before sharding and failed at its first update with DTensor's mixed-
 
 import pytest
 
-from tests.helpers.cases import CaseRuns, max_diff
+from tests.helpers.cases import CaseRuns, launch_together, max_diff
 from tests.helpers.launch import REPO
 
 pytestmark = pytest.mark.distributed
@@ -18,10 +18,24 @@ LAYOUTS = [("mics", 2), ("zero1", 2), ("mics_os", 4), ("mics_full", 4)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "trainer" / "averaging.py", tmp_path_factory,
-                    lambda kind: ["ema", "swa", "ema_accum"]
-                    + (["ema_bf16"] if kind in ("mics", "mics_os", "ddp") else []))
+def launched(tmp_path_factory):
+    """averaging.py's and swa.py's runs, every strategy of one world in one launch (``launch_together``), DDP's
+    first: 2 launches instead of 12, each (script, strategy) with the cases it ran in a launch of its own (12
+    launches were 128 CPU-seconds for the file, 2 are 118: the fits, not the starts, are its cost)."""
+    avg = CaseRuns(REPO / "tests" / "trainer" / "averaging.py", tmp_path_factory,
+                   lambda kind: ["ema", "swa", "ema_accum"]
+                   + (["ema_bf16"] if kind in ("mics", "mics_os", "ddp") else []))
+    swa = CaseRuns(REPO / "tests" / "trainer" / "swa.py", tmp_path_factory, lambda kind: ["swa", "swa_bn"]
+                   + (["swa_bf16"] if kind in ("mics", "mics_os") else []))
+    for world in (2, 4):
+        kinds = ["ddp", *(kind for kind, w in LAYOUTS if w == world)]
+        launch_together(world, [(cr, kind) for kind in kinds for cr in (avg, swa)], tmp_path_factory)
+    return avg, swa
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    return launched[0]
 
 
 @pytest.mark.parametrize("case", ["ema", "swa", "ema_accum"])
@@ -68,9 +82,8 @@ def test_weight_averaging_under_bf16_mixed_keeps_fp32_and_resumes_exactly(runs, 
 
 # -- Lightning's StochasticWeightAveraging (tests/trainer/swa.py) ---------------------------------------------------
 @pytest.fixture(scope="module")
-def swa_runs(tmp_path_factory):
-    return CaseRuns(REPO / "tests" / "trainer" / "swa.py", tmp_path_factory, lambda kind: ["swa", "swa_bn"]
-                    + (["swa_bf16"] if kind in ("mics", "mics_os") else []))
+def swa_runs(launched):
+    return launched[1]
 
 
 @pytest.mark.parametrize("case", ["swa", "swa_bn"])
