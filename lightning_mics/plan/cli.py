@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantize-allgather", action="store_true", default=None,
                     help="the cross-node hop of the two-hop gather in int8 blocks")
     ap.add_argument("--quantization-block-size", type=int, help="elements per fp32 scale")
+    ap.add_argument("--replica-sync", choices=("exact", "diloco"),
+                    help="diloco: the replica groups train apart and sync every --sync-every steps")
+    ap.add_argument("--sync-every", type=int, help="DiLoCo's H: optimizer steps between outer syncs")
     ap.add_argument("--headroom", type=float)
     ap.add_argument("--png", help="write the chart of memory per GPU against s here")
     return ap

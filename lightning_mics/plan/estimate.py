@@ -33,6 +33,14 @@ per unit after the step (the master dtype), each of r x the rows' slots; each un
 row (the master dtype, counted with params), and each of the window's forwards after its first all-reduces a
 4-byte flag per unit over the replica group ([Note: rows between steps] in optimizer_rows.py).
 
+[Note: planner DiLoCo]
+With ``replica_sync="diloco"`` ([Note: DiLoCo across replica groups] in options.py) an inner step has no replica
+traffic: the unit buckets' replica all-reduce is gone and the replicated parameters' all-reduce runs on the shard
+group. Every ``sync_every`` steps one all-reduce on the replica group carries each rank's masters' pseudo-gradient
+(its flat shards and replicated parameters, fp32, or int8 blocks with ``quantize_gradients``); the replica link's
+bytes and the step's seconds are the window's mean. The anchors (fp32) and the outer momentum count as optimizer
+state. A degree with one replica group is not planned.
+
 [Note: planner quantized traffic]
 With ``quantize_gradients`` ([Note: quantized traffic] in options.py) each replica all-reduce moves the int8 wire
 of its bucket, ``quantized.wire_bytes`` = b (1 + 4/B) bytes up to padding, in place of b times the reduction dtype
@@ -62,7 +70,7 @@ add L b V / t (activation bytes + 8 for the fp32 loss and its gradient).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from lightning_mics.comm.collectives import bucket_runs
@@ -91,8 +99,9 @@ class Estimate:
     buffers: int  # transient: the largest unit's all-gather output and reduce-scatter input (if not in place)
     comm: Dict[str, Dict[str, int]]  # "<op>/<group>" -> {"bytes", "calls"} per optimizer step (telemetry's keys)
     link_bytes: Dict[str, int]  # intra-node / inter-node / replica
-    comm_seconds: float
+    comm_seconds: float  # per optimizer step; with DiLoCo the mean over a window, its outer sync included
     budget: int
+    outer_sync: Dict[str, Dict[str, int]] = field(default_factory=dict)  # DiLoCo: one outer sync's collectives
 
     @property
     def total(self) -> int:
@@ -204,6 +213,8 @@ def model_state_bytes(spec: ModelSpec, st: Settings, s: int, rank: int = 0, repl
         buckets = _world_buckets(units, st)
         grads += sum(buckets) * 4 if master == 4 else \
             sum(math.prod(p.shape) for u in units for p in u.replicated if p.trainable) * master
+    if st.replica_sync == "diloco":  # [Note: planner DiLoCo]: the anchors, and the outer momentum once it steps
+        opt += _outer_numel(units) * 4 * (2 if st.outer_momentum > 0 else 1)
     if _zero1(st, s):  # the pinned root: its full parameters (gathered dtype) stay on every rank, and a copy of the
         # masters they were filled from ([Note: masters moved outside a step] in user_code/write_back.py)
         params += units[0].full_numel * st.dtypes()[1] + units[0].shard_numel * master
@@ -242,6 +253,7 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
     layout = plan_layout(st.dp_world, s, st.dp_per_node if st.dp_world > st.dp_per_node else None)
     two_hop = st.hierarchical_allgather and layout.hierarchical_possible
     A, r, W = st.accumulation, layout.replicas, st.dp_world
+    diloco = st.replica_sync == "diloco"  # [Note: planner DiLoCo]
     out: Dict[str, Dict[str, int]] = {}
 
     def add(key: str, nbytes: int, calls: int = 1) -> None:
@@ -280,7 +292,7 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
             add("all_gather/shard", s * u.shard_numel * gathered, n_gathers)
         for b in _unit_buckets(u, st):
             add("reduce_scatter/shard", s * b * reduce, A)
-            if r > 1 and not st.shard_optimizer_state:
+            if r > 1 and not st.shard_optimizer_state and not diloco:
                 add("all_reduce/replicate", _replica_bytes(b, r, reduce, st))
         if r > 1 and st.shard_optimizer_state:  # [Note: optimizer rows over replicas]: reduce-scatter (trainable)
             B = st.quantization_block_size  # [Note: quantized optimizer rows]
@@ -291,10 +303,28 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
     rows_units = sum(1 for u in units if u.sharded)
     if r > 1 and st.shard_optimizer_state and rows_units:  # [Note: rows between steps]: a flag per unit, fp32
         add("all_reduce/replicate", 4 * rows_units, A - 1)  # on the forwards inside the window (no step before)
-    if W > 1:
+    if diloco and s > 1:
+        for b in _world_buckets(units, st):
+            add("all_reduce/shard", b * 4)
+    elif W > 1 and not diloco:
         for b in _world_buckets(units, st):
             add("all_reduce/world", b * 4)
     return out
+
+
+def _outer_numel(units: List[_Unit]) -> int:
+    """Elements of one rank's masters: each unit's flat shard and its replicated parameters whole."""
+    return sum((u.shard_numel if u.sharded else 0) + sum(math.prod(p.shape) for p in u.replicated) for u in units)
+
+
+def outer_sync_comm(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, int]]:
+    """DiLoCo's outer sync ([Note: planner DiLoCo]): one all-reduce of the pseudo-gradients on the replica group."""
+    r = st.dp_world // s
+    if st.replica_sync != "diloco" or r == 1:
+        return {}
+    n = _outer_numel(_split(spec.units, st, s, 0))
+    nbytes = wire_bytes(n, r, st.quantization_block_size) if st.quantize_gradients else n * 4
+    return {"all_reduce/replicate": {"bytes": nbytes, "calls": 1}}
 
 
 def _gathered_peak(units: List[_Unit], st: Settings) -> int:
@@ -363,10 +393,14 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     links = {k: 0 for k in LINKS}
     for key, e in comm.items():
         links[_link_of(key, st, group)] += e["bytes"]
+    sync = outer_sync_comm(spec, st, s)  # DiLoCo: once per sync_every steps, counted as its mean per step
+    for key, e in sync.items():
+        links[_link_of(key, st, group)] += e["bytes"] // st.sync_every
+    seconds = _seconds(comm, st, group) + _seconds(sync, st, group) / st.sync_every
     budget = int(st.gpu_memory_gib * GiB * (1 - st.headroom))
     held = 0 if _zero1(st, s) else peak * gathered  # pinned parameters are model state already
     return Estimate(s, st.tensor_parallel_degree, st.dp_world // s, state, activation_bytes(spec, st), peak,
-                    held, buffers, comm, links, _seconds(comm, st, group), budget)
+                    held, buffers, comm, links, seconds, budget, sync)
 
 
 def degrees_to_plan(st: Settings, degrees: Optional[Sequence[int]] = None) -> List[int]:
@@ -378,4 +412,9 @@ def degrees_to_plan(st: Settings, degrees: Optional[Sequence[int]] = None) -> Li
         if bad:
             _fail("degrees", list(degrees), f"divisors of the data-parallel world size {st.dp_world}: {valid}")
         valid = sorted(degrees)
+    if st.replica_sync == "diloco":  # several replica groups ([Note: planner DiLoCo])
+        if valid == [st.dp_world]:
+            _fail("degrees", [st.dp_world], f"a degree below the data-parallel world {st.dp_world} with "
+                  "replica_sync='diloco' (one replica group has nothing to sync with)")
+        valid = [d for d in valid if d < st.dp_world]
     return valid

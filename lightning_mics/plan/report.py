@@ -98,6 +98,11 @@ class Plan:
             traffic = (f"Per optimizer step and GPU: {lb['intra-node'] / 1e9:.3g} GB intra-node, "
                        f"{lb['inter-node'] / 1e9:.3g} GB inter-node, {lb['replica'] / 1e9:.3g} GB across replicas; "
                        f"{rec.comm_seconds:.3g} s predicted without overlap.")
+            if st.replica_sync == "diloco":  # [Note: planner DiLoCo] in estimate.py
+                sync = rec.outer_sync.get("all_reduce/replicate", {"bytes": 0})["bytes"]
+                traffic += (f" DiLoCo (sync_every={st.sync_every}): no replica traffic inside a window, one outer "
+                            f"all-reduce of {sync / 1e9:.3g} GB every {st.sync_every} steps, counted as its mean "
+                            "per step above; it is not exact data parallelism.")
             if rec.s == 1 and st.shard_optimizer_state:
                 out.append("At s=1 with shard_optimizer_state every GPU holds the whole parameters and gradients "
                            "and 1/W of the optimizer state (ZeRO-1): no per-layer collectives, one reduce-scatter "
@@ -114,10 +119,12 @@ class Plan:
                     where = f"across {math.ceil(rec.s / st.dp_per_node)} nodes{hops}"
                 out.append(f"A larger s shards further but puts more ranks into every per-layer all-gather and "
                            f"reduce-scatter and leaves fewer replicas. At s={rec.s} those stay {where}; replicas "
-                           f"meet once per optimizer step (" + ("a reduce-scatter at the accumulation boundary and "
+                           + (f"meet once every {st.sync_every} optimizer steps (DiLoCo's outer sync)"
+                              if st.replica_sync == "diloco" else "meet once per optimizer step (")
+                           + ("" if st.replica_sync == "diloco" else "a reduce-scatter at the accumulation boundary and "
                            "an all-gather of the updated rows after the step: with shard_optimizer_state each "
                            "replica steps 1/r of the shard" if st.shard_optimizer_state else
-                           "the all-reduce at the accumulation boundary") + "). " + traffic)
+                           "the all-reduce at the accumulation boundary)") + ". " + traffic)
         out += self.notes + m.notes
         return "\n".join(out)
 

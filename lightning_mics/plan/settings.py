@@ -36,7 +36,9 @@ _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 _DEFAULTS = MiCSOptions()  # the strategy's defaults ([Note: one option list] in options.py)
 # The strategy's options the planner takes, passed on to MiCSConfig for its checks.
 _STRATEGY_OPTIONS = ("prefetch", "max_live_parameters", "param_persistence_threshold", "reduce_bucket_size",
-                     "param_dtype", "reduce_dtype", "shard_optimizer_state")
+                     "param_dtype", "reduce_dtype", "shard_optimizer_state", "quantize_gradients",
+                     "tensor_parallel_degree", "replica_sync", "sync_every", "outer_lr", "outer_momentum",
+                     "outer_nesterov")
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -84,6 +86,12 @@ class Settings:
     quantize_gradients: Any = _strategy_default("quantize_gradients")  # False | True | "error_feedback"
     quantize_allgather: bool = _strategy_default("quantize_allgather")
     quantization_block_size: int = _strategy_default("quantization_block_size")
+    # [Note: DiLoCo across replica groups] in options.py ([Note: planner DiLoCo] in estimate.py)
+    replica_sync: str = _strategy_default("replica_sync")
+    sync_every: int = _strategy_default("sync_every")
+    outer_lr: float = _strategy_default("outer_lr")
+    outer_momentum: float = _strategy_default("outer_momentum")
+    outer_nesterov: bool = _strategy_default("outer_nesterov")
     headroom: float = 0.10
 
     def __post_init__(self) -> None:
