@@ -1,8 +1,8 @@
 """The main job keeps its progress: periodic ``last.ckpt``, resume with ``ckpt_path=``, Ctrl-C, a folder per job.
 
 Real processes through the app's entry point with the tiny overrides (2 ranks on gloo; the resumed runs and their
-references run forked from the test launcher's preloaded server, rank 1 started fresh by Lightning's launcher; the
-Ctrl-C jobs start fresh, in a session of their own, as from a shell). The reference for a
+references and the two jobs started together run forked from the test launcher's preloaded server, rank 1 started
+fresh by Lightning's launcher; the Ctrl-C jobs start fresh, in a session of their own, as from a shell). The reference for a
 resume is the same job run without interruption: its parameters and optimizer state after the same total number
 of steps must be equal, bit for bit (same batches, same order of operations).
 """
@@ -20,7 +20,9 @@ from typing import Dict
 import pytest
 import torch
 
-from tests.helpers.app import MICS_TINY, TINY, live_processes, run_app_forked, start_app, wait_for
+from tests.helpers.app import (COMMAND, MICS_TINY, TINY, app_env, live_processes, run_app_forked, start_app,
+                               wait_for)
+from tests.helpers.launch import start_module
 
 # 12 optimizer steps; a periodic save every 5 keeps epoch=0-step=5.ckpt and step=10 (save_top_k=-1), and last.ckpt
 # holds step 12 (not a multiple of 5: the save at the step training ends on).
@@ -123,12 +125,16 @@ def test_ctrl_c_stops_saves_reports_and_exits_130(tmp_path: Path, target: str) -
 
 def test_two_jobs_started_together_never_share_a_folder(tmp_path: Path) -> None:
     """Both with Hydra's default folder name (the second of the start), from the same folder. They are two
-    optimizer steps long with the loss logged every 10: also a run that logged nothing draws no plot."""
+    optimizer steps long with the loss logged every 10: also a run that logged nothing draws no plot. Both jobs'
+    rank 0 are forked from the test launcher's server at once (``run_app_forked``'s way: the folders they claim
+    are checked, not how a job starts; each one's rank 1 is started fresh by Lightning's launcher)."""
     args = [*TINY, "trainer.max_steps=2", "trainer.log_every_n_steps=10", "trainer.val_check_interval=50"]
-    procs = [start_app(args, tmp_path, tmp_path / f"job{i}.log") for i in range(2)]
+    procs = [start_module(COMMAND[2], args, app_env(), tmp_path, tmp_path / f"job{i}.stdout",
+                          tmp_path / f"job{i}.stderr") for i in range(2)]
     for p in procs:
         p.wait(timeout=240)
-    logs = [(tmp_path / f"job{i}.log").read_text() for i in range(2)]
+    logs = [(tmp_path / f"job{i}.stdout").read_text() + (tmp_path / f"job{i}.stderr").read_text()
+            for i in range(2)]
     assert [p.returncode for p in procs] == [0, 0], [log[-3000:] for log in logs]
     run_dirs = sorted(tmp_path.glob("outputs/*/*"))
     assert len(run_dirs) == 2, run_dirs

@@ -96,11 +96,11 @@ def test_resume_on_other_ranks_continues_the_stream(tmp_path: Path, corpus: Path
                      f"data.batch_size={after[1]}"], lines
 
 
-def test_resume_with_another_global_batch_is_refused(tmp_path: Path, corpus: Path) -> None:
-    first = _run(tmp_path, "first", 2, 8, 2, corpus)
-    last = first / "checkpoints" / "last.ckpt"
+def test_resume_with_another_global_batch_is_refused(tmp_path: Path, corpus: Path, reference_run: Path) -> None:
+    """The reference run's checkpoint (2 ranks x 8, step 12), resumed on 4 ranks x 8 to step 16."""
+    last = reference_run / "checkpoints" / "last.ckpt"
     proc = run_app_forked([*ARGS, f"data.path={corpus}", "trainer.devices=4", "data.batch_size=8",
-                           "trainer.max_steps=4", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'again'}"],
+                           "trainer.max_steps=16", f"ckpt_path={last}", f"hydra.run.dir={tmp_path / 'again'}"],
                           cwd=tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]

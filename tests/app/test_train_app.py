@@ -80,10 +80,26 @@ def test_main_job_mics(tmp_path: Path) -> None:
     assert "Initializing distributed: GLOBAL_RANK: 1" in (run_dir / "train_ddp_process_1.log").read_text()
 
 
-def test_multirun_sweep_ddp_and_mics(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """``-m strategy=ddp,mics`` once for the module, with the gloo-thread probe loaded in every rank
+    (``sitecustomize``, see test_every_rank_ends_with_its_gloo_threads_joined): what the sweep writes and how
+    its ranks end are two tests of one run. Returns (the folder it ran in, its CompletedProcess, the probe's
+    folder)."""
+    tmp_path = tmp_path_factory.mktemp("sweep")
+    probe_dir = _probe(tmp_path)
+    env = app_env()
+    env["PYTHONPATH"] = f"{probe_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
+    env["GLOO_PROBE_DIR"] = str(probe_dir)
+    proc = _run(["-m", "strategy=ddp,mics", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path,
+                timeout=240, env=env)
+    return tmp_path, proc, probe_dir
+
+
+def test_multirun_sweep_ddp_and_mics(sweep) -> None:
     """``-m``: each sweep job launches its own ranks (Lightning re-runs the command) into its own folder."""
+    tmp_path, proc, _ = sweep
     sweep_dir = tmp_path / "sweep"
-    proc = _run(["-m", "strategy=ddp,mics", *TINY, f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     ddp = _check_run_dir(sweep_dir / "0", out)
@@ -187,8 +203,9 @@ def test_sharding_degree_must_divide_world(tmp_path: Path) -> None:
 
 def test_help_lists_only_real_choices(tmp_path: Path) -> None:
     """The schemas live outside the config groups, so ``--help`` offers only configs a user can pick (what it says
-    of each key: test_app_first_use.py)."""
-    proc = _run(["--help"], cwd=tmp_path, timeout=300)
+    of each key: test_app_first_use.py, whose ``--help`` starts fresh, as a user types it; this one is forked from
+    the preloaded server: the answer is what is checked)."""
+    proc = run_app_forked(["--help"], cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     groups = proc.stdout.split("== Configuration groups ==")[1].split("== Keys ==")[0]
     assert "strategy: ddp, mics" in groups and "trainer: cpu, gpu" in groups and "model: gpt" in groups, groups
@@ -293,24 +310,33 @@ atexit.register(_gloo_threads_at_exit)
 '''
 
 
-@pytest.mark.parametrize("sweep", [False, True], ids=["run", "sweep"])
-def test_every_rank_ends_with_its_gloo_threads_joined(tmp_path: Path, sweep: bool) -> None:
-    """[Note: every rank releases its groups]: a gloo worker thread still alive when the interpreter finalizes can
-    abort the rank (-6), and Lightning's launcher then kills the job. Every rank of every job -- DDP's too, which
-    leaves its group alive -- must have joined its gloo threads by the end of its last atexit handler (a probe
-    loaded through ``sitecustomize`` before the job records them)."""
+def _probe(tmp_path: Path) -> Path:
     probe_dir = tmp_path / "probe"
     probe_dir.mkdir()
     (probe_dir / "sitecustomize.py").write_text(_PROBE)
-    env = app_env()
-    env["PYTHONPATH"] = f"{probe_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
-    env["GLOO_PROBE_DIR"] = str(probe_dir)
-    steps = ["trainer.max_steps=4", "trainer.val_check_interval=2", "callbacks.checkpoint=null", "report=false"]
-    args = (["-m", "strategy=ddp,mics", f"hydra.sweep.dir={tmp_path / 'sweep'}"] if sweep
-            else ["strategy=ddp", f"hydra.run.dir={tmp_path / 'run'}"])
-    proc = _run([*args, *TINY, *steps], cwd=tmp_path, timeout=240, env=env)
+    return probe_dir
+
+
+@pytest.mark.parametrize("sweep_run", [False, True], ids=["run", "sweep"])
+def test_every_rank_ends_with_its_gloo_threads_joined(sweep, tmp_path: Path, sweep_run: bool) -> None:
+    """[Note: every rank releases its groups]: a gloo worker thread still alive when the interpreter finalizes can
+    abort the rank (-6), and Lightning's launcher then kills the job. Every rank of every job -- DDP's too, which
+    leaves its group alive -- must have joined its gloo threads by the end of its last atexit handler (a probe
+    loaded through ``sitecustomize`` before the job records them). The sweep is the module's ``sweep`` fixture
+    (test_multirun_sweep_ddp_and_mics's run, 24 steps with its checkpoints and reports; both cases take it, so
+    that xdist keeps them with the module's other user of it); the run is DDP's alone."""
+    if sweep_run:
+        _, proc, probe_dir = sweep
+    else:
+        probe_dir = _probe(tmp_path)
+        env = app_env()
+        env["PYTHONPATH"] = f"{probe_dir}:{env.get('PYTHONPATH', '')}".rstrip(":")
+        env["GLOO_PROBE_DIR"] = str(probe_dir)
+        steps = ["trainer.max_steps=4", "trainer.val_check_interval=2", "callbacks.checkpoint=null", "report=false"]
+        proc = _run(["strategy=ddp", f"hydra.run.dir={tmp_path / 'run'}", *TINY, *steps], cwd=tmp_path,
+                    timeout=240, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     records = [json.loads(p.read_text()) for p in probe_dir.glob("*.json")]
     # one process for rank 0 (both jobs of a sweep), one for each job's rank 1
-    assert sorted(r["local_rank"] for r in records) == (["0", "1", "1"] if sweep else ["0", "1"]), records
+    assert sorted(r["local_rank"] for r in records) == (["0", "1", "1"] if sweep_run else ["0", "1"]), records
     assert all(r["threads"] == [] for r in records), records

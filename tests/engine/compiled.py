@@ -2,6 +2,13 @@
 
     python compiled.py --out DIR --front fabric|trainer|trainer-blocks|trainer-inplace|trainer-titan
                        --strategy mics|ddp [--options JSON] [--precision P]
+    python compiled.py --out DIR --cases JSON    # [{"front", "strategy", "options", "precision"}, ...]
+
+``--cases``: the cases one after another in the same processes and process group (the suite's: starting a rank and
+importing inductor's compiler cost more than a case's fit), rank 0 writing ``compiled<k>.pt`` for case k. Before
+each case dynamo is reset (its caches and graph counters emptied: each case compiles its own graphs and counts only
+them) and the warnings it raises are collected afresh (their "once per place" record cleared, the filters as set
+before the case), as in a process of its own.
 
 ``fabric``: the whole model compiled before ``fabric.setup`` (litgpt's pretraining pattern); ``trainer``: the
 LightningModule's network compiled in ``__init__`` (Lightning itself refuses ``trainer.fit(torch.compile(module))``
@@ -19,6 +26,8 @@ import argparse
 import json
 import os
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -140,25 +149,58 @@ def run_fabric(kind, world, rank, data, extra, precision, front):
     return {n: t.detach().clone() for n, t in state.items()}, first, probe
 
 
+FRONTS = ("fabric", "trainer", "trainer-blocks", "trainer-inplace", "trainer-titan")
+
+
+def run_case(case, world, rank, data):
+    """One case, as in a process of its own: dynamo reset, its warnings collected (UserWarning and subclasses
+    listed in the result) and printed to the log."""
+    torch._dynamo.reset()
+    counters.clear()
+    run = run_fabric if case["front"] == "fabric" else run_trainer
+    with warnings.catch_warnings(record=True) as caught:  # entering it clears every "shown once" record
+        params, first, probe = run(case["strategy"], world, rank, data, case.get("options", {}),
+                                   case.get("precision", "32-true"), case["front"])
+    for w in caught:
+        sys.stderr.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line))
+    return {"params": params, "graphs_first_step": first, "graphs_end": graphs(), "kept": probe.kept,
+            "replays": probe.replays,
+            "user_warnings": [f"{w.category.__name__}: {w.message}" for w in caught
+                              if issubclass(w.category, UserWarning)]}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--front", required=True, choices=("fabric", "trainer", "trainer-blocks",
-                                                                 "trainer-inplace", "trainer-titan"))
-    ap.add_argument("--strategy", required=True, choices=("mics", "ddp"))
+    ap.add_argument("--front", choices=FRONTS)
+    ap.add_argument("--strategy", choices=("mics", "ddp"))
     ap.add_argument("--options", default="{}", help="JSON of further MiCSStrategy options")
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--cases", default="", help="JSON list of cases, one after another")
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     data = classification_data(STEPS * ACCUM * world * BATCH)
-    run = run_fabric if args.front == "fabric" else run_trainer
-    params, first, probe = run(args.strategy, world, rank, data, json.loads(args.options), args.precision,
-                               args.front)
-    if rank == 0:
-        torch.save({"params": params, "graphs_first_step": first, "graphs_end": graphs(), "kept": probe.kept,
-                    "replays": probe.replays},
-                   Path(args.out) / "compiled.pt")
-    (Path(args.out) / f"result{rank}.json").write_text("{}")
+    if not args.cases:
+        assert args.front and args.strategy, "--front and --strategy, or --cases"
+        case = {"front": args.front, "strategy": args.strategy, "options": json.loads(args.options),
+                "precision": args.precision}
+        result = run_case(case, world, rank, data)
+        if rank == 0:
+            torch.save(result, Path(args.out) / "compiled.pt")
+        (Path(args.out) / f"result{rank}.json").write_text("{}")
+        return
+    errors = []
+    for k, case in enumerate(json.loads(args.cases)):
+        print(f"=== case {k}: {json.dumps(case)}", flush=True)
+        try:
+            result = run_case(case, world, rank, data)
+        except Exception:
+            traceback.print_exc()
+            result = {"error": traceback.format_exc()}
+        errors.append(result.get("error"))
+        if rank == 0:
+            torch.save(result, Path(args.out) / f"compiled{k}.pt")
+    (Path(args.out) / f"result{rank}.json").write_text(json.dumps({"errors": errors}))
 
 
 if __name__ == "__main__":

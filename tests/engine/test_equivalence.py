@@ -1,7 +1,9 @@
 """Sharded training equals one plain process on the same global batches (real processes, gloo, Trainer).
 
-Each case starts 4 ranks of ``tests/engine/equiv.py``; rank 0 also trains the reference (same init, same
-optimizer, global batch = the union of the ranks' batches) and reports per-parameter differences.
+Each launch starts 4 ranks of ``tests/engine/equiv.py``, which fit the cases that share its arguments one after
+another (``--variants``: each a fresh Trainer in the same processes, process start-up being most of a small fit's
+cost); rank 0 also trains the reference once (same init, same optimizer, global batch = the union of the ranks'
+batches) and reports per-parameter differences for each case.
 """
 
 import json
@@ -53,10 +55,14 @@ VARIANTS = {
 }
 
 
+TRITON = {"s": 2, "kernels": "triton"}  # test_engine_with_triton_kernels_matches: the tied model's launch, last
+
+
 def _for_model(model):
     variants = [{k: ([BLOCKS[model]] if v == "BLOCK" else v) for k, v in variant.items()} for variant in VARIANTS.values()]
     if model == "tied":  # its blocks are residual (x + b(x)): not a sequential stack, grouping is refused for it
         variants = [dict(v, checkpoint_group_size=1) if "checkpoint_group_size" in v else v for v in variants]
+        variants.append(TRITON)
     return variants
 
 
@@ -87,42 +93,63 @@ def test_sgd_matches_single_process(layouts, model, variant):
     assert len({r["variants"][k]["val_loss"] for r in res}) == 1
 
 
-def test_adamw_param_groups_match(tmp_path):
-    res = _run(tmp_path, "--model", "gpt", "--s", "2", "--optimizer", "adamw", "--steps", "4")
+@pytest.fixture(scope="module")
+def adamw(tmp_path_factory):
+    """The GPT under AdamW at s = 2 and s = 4, one launch: the param groups' equivalence (s = 2) and the state
+    per rank (both)."""
+    return run_ranks(SCRIPT, 4, ["--model", "gpt", "--optimizer", "adamw", "--steps", "4",
+                                 "--variants", json.dumps([{"s": 2}, {"s": 4}])], tmp_path_factory.mktemp("adamw"))
+
+
+def test_adamw_param_groups_match(adamw):
+    for r in adamw:
+        assert "error" not in r["variants"][0], r["variants"][0]["error"]
     # Adam divides by sqrt(v): where a gradient is ~0, 1e-9 differences in it change that element's update,
     # so the bound is on each tensor's relative error, ||p - p_ref|| / ||p_ref||.
-    for name, e in res[0]["errors"].items():
+    for name, e in adamw[0]["variants"][0]["errors"].items():
         assert e["rel_norm"] <= 1e-5, (name, e)
         assert e["moved"] > 0, name
 
 
-@pytest.mark.parametrize("s, extra", [(2, {}), (1, {}), (2, {"shard_optimizer_state": True})],
-                         ids=["s2", "s1", "s2-optimizer-over-replicas"])
-def test_accumulation_and_clipping_match(tmp_path, s, extra):
-    res = _run(tmp_path, "--model", "tied", "--s", str(s), "--steps", "4", "--accum", "4", "--clip", "0.05",
-               "--bucket", "500", "--extra", json.dumps(extra))
-    _assert_matches(res[0], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
-    assert all(n > 0.05 for n in res[0]["ref_norms"]), "clipping was never active"
+CLIPPED = {"s2": {"s": 2}, "s1": {"s": 1}, "s2-optimizer-over-replicas": {"s": 2, "shard_optimizer_state": True}}
 
 
-def test_memory_per_rank_is_one_over_s(tmp_path):
-    for s in (2, 4):
-        d = tmp_path / f"s{s}"
-        d.mkdir()
-        res = _run(d, "--model", "gpt", "--s", str(s), "--steps", "2")
-        for r in res:
-            sb = r["state_bytes"]
+@pytest.fixture(scope="module")
+def clipped(tmp_path_factory):
+    """Accumulation 4 with clipping and small buckets, the three layouts one after another in one launch."""
+    return run_ranks(SCRIPT, 4, ["--model", "tied", "--steps", "4", "--accum", "4", "--clip", "0.05", "--bucket",
+                                 "500", "--variants", json.dumps(list(CLIPPED.values()))],
+                     tmp_path_factory.mktemp("clipped"))
+
+
+@pytest.mark.parametrize("variant", list(CLIPPED))
+def test_accumulation_and_clipping_match(clipped, variant):
+    res = clipped[0]["variants"][list(CLIPPED).index(variant)]
+    assert "error" not in res, res["error"]
+    _assert_matches(res, rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
+    assert all(n > 0.05 for n in res["ref_norms"]), "clipping was never active"
+
+
+def test_memory_per_rank_is_one_over_s(adamw):
+    """Model state per rank (parameters, gradients, AdamW's two moments) against 1/s of the sharded part."""
+    for k, s in enumerate((2, 4)):
+        for r in adamw:
+            assert "error" not in r["variants"][k], r["variants"][k]["error"]
+            sb = r["variants"][k]["state_bytes"]
             ideal = (sb["plain"] - sb["replicated_plain"]) / s + sb["replicated_plain"]
             assert sb["total"] <= 1.10 * ideal, (s, sb, ideal)
             assert sb["total"] < sb["plain"] / (s * 0.8)  # really sharded, not replicated
 
 
 @pytest.mark.triton
-def test_engine_with_triton_kernels_matches(tmp_path):
-    """All-gather copy-out and reduce-scatter copy-in through the Triton kernels (interpreter on CPU)."""
-    res = run_ranks(SCRIPT, 4, ["--model", "tied", "--s", "2", "--accum", "2", "--extra", '{"kernels": "triton"}'],
-                    tmp_path, extra_env={"TRITON_INTERPRET": "1"})
-    _assert_matches(res[0], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
+def test_engine_with_triton_kernels_matches(layouts):
+    """All-gather copy-out and reduce-scatter copy-in through the Triton kernels (interpreter on CPU: the
+    launcher's ranks inherit TRITON_INTERPRET=1 from tests/conftest.py), the last fit of the tied model's launch
+    (its arguments: 4 steps, accumulation 2)."""
+    res = layouts("tied")
+    for r in res:
+        assert "error" not in r["variants"][-1], r["variants"][-1].get("error")
+    _assert_matches(res[0]["variants"][-1], rtol=1e-5, atol=1e-7, frozen=TIED_FIXED)
 
 
 def test_one_rank_matches_single_process(tmp_path):

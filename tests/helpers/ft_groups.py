@@ -2,6 +2,12 @@
 own, optionally each in a network namespace of its own (a host: tests/helpers/netns.py). A group can be killed as a
 lost host is (SIGKILL to its torchrun agent and every worker: one process group) and started again.
 
+``start(..., forked=True)`` runs a group's ranks as processes forked from the test launcher's preloaded server
+(tests/helpers/launch.py) with the environment torchrun gives its workers, in place of a ``torchrun`` job: for a
+test that checks what the groups compute, not how a group starts (each torchrun job is three fresh interpreters,
+some 15 s of imports; a forked group cannot be moved into a network namespace, and ``tagged`` does not see it:
+it is killed by its handles).
+
 Every process carries a tag in its environment (``FT_JOB_TAG``, inherited by the workers torchrun starts in
 sessions of their own): a group is killed by SIGKILL to every process of its launch at once, everything the job
 started is killed when it ends, whatever happened, and ``alive()`` lists what is left, so a test can say that no
@@ -21,6 +27,37 @@ from typing import Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests" / "fault_tolerance" / "ft_trainer.py"
+
+
+class _ForkedGroup:
+    """A group's forked ranks behind ``subprocess.Popen``'s ``poll``, ``wait`` and ``kill``: the group's status is
+    the first failing rank's, or 0 when every rank ended with 0."""
+
+    def __init__(self, ranks: List) -> None:
+        self.ranks = ranks
+
+    def poll(self) -> Optional[int]:
+        codes = [r.poll() for r in self.ranks]
+        bad = [c for c in codes if c not in (None, 0)]
+        return bad[0] if bad else (0 if all(c == 0 for c in codes) else None)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("forked group", timeout)
+            time.sleep(0.1)
+        code = self.poll()
+        if code != 0:  # a rank failed: its peers would wait on it
+            self.kill()
+        for r in self.ranks:
+            r.wait()
+        return code
+
+    def kill(self) -> None:
+        for r in self.ranks:
+            if r.poll() is None:
+                r.kill()
 
 
 def _env(extra: Dict[str, str]) -> Dict[str, str]:
@@ -78,8 +115,9 @@ class FTJob:
         return f"http://{self.addrs[host]}:{self.lighthouse_port}"
 
     def start(self, group: int, args: Sequence[str], groups: int = 2, script: Path = SCRIPT,
-              module: Optional[str] = None) -> subprocess.Popen:
-        """Group ``group`` as a torchrun job of ``nproc`` ranks on its host (its launch number in the log name)."""
+              module: Optional[str] = None, forked: bool = False) -> subprocess.Popen:
+        """Group ``group`` as a torchrun job of ``nproc`` ranks on its host (its launch number in the log name);
+        ``forked``: its ranks forked from the test launcher's server instead (no host of its own, no module)."""
         n = self.launches.get(group, 0)
         self.launches[group] = n + 1
         host, addr = self.hosts[group], self.addrs[group]
@@ -87,11 +125,33 @@ class FTJob:
                "REPLICA_GROUP_ID": str(group), "NUM_REPLICA_GROUPS": str(groups)}
         if host is not None:
             env["GLOO_SOCKET_IFNAME"] = host
+        if forked:
+            assert host is None and module is None, "a forked group runs a script on this host"
+            return self._start_forked(f"group{group}_{n}", group, script, args, addr,
+                                      self.base_port + 10 * group + n, env)
         target = ["-m", module] if module else [str(script)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nproc),
                "--master-addr", addr, "--master-port", str(self.base_port + 10 * group + n), *target, *args]
         self.started_at.setdefault(group, []).append(time.time())
         return self._popen(f"group{group}_{n}", host, cmd, _env(env))
+
+    def _start_forked(self, name: str, group: int, script: Path, args: Sequence[str], addr: str, port: int,
+                      extra: Dict[str, str]) -> _ForkedGroup:
+        """The ranks of a torchrun job of ``nproc`` workers on one node, forked (rank r logs to ``name``.log for
+        rank 0, ``name``_r<r>.log for the others); the first rank hosts the store, as Lightning's ranks do."""
+        from tests.helpers.launch import start as start_rank
+
+        ranks = []
+        for rank in range(self.nproc):
+            env = _env(dict(extra, FT_JOB_TAG=f"{self.tag}/{name}", RANK=str(rank), LOCAL_RANK=str(rank),
+                            GROUP_RANK="0", ROLE_RANK=str(rank), LOCAL_WORLD_SIZE=str(self.nproc),
+                            WORLD_SIZE=str(self.nproc), MASTER_ADDR=addr, MASTER_PORT=str(port)))
+            log = self.out / (f"{name}.log" if rank == 0 else f"{name}_r{rank}.log")
+            ranks.append(start_rank(script, list(args), env, self.out, log))
+        self.started_at.setdefault(group, []).append(time.time())
+        proc = _ForkedGroup(ranks)
+        self.procs[name] = proc
+        return proc
 
     def check(self) -> bool:
         """Raises, with its log's end, when a launch still counted as running has ended with an error: a wait for
@@ -108,6 +168,8 @@ class FTJob:
     def _kill(self, name: str) -> None:
         """SIGKILL to every process of launch ``name`` at once (the agent and its workers), then reaps the agent."""
         proc = self.procs.pop(name, None)
+        if isinstance(proc, _ForkedGroup):
+            proc.kill()
         for pid in tagged(f"{self.tag}/{name}"):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -137,7 +199,11 @@ class FTJob:
         self._kill("lighthouse")
 
     def log(self, name: str) -> str:
-        return (self.out / f"{name}.log").read_text(errors="replace")
+        """The launch's output (a forked group's: its ranks' logs one after another)."""
+        text = (self.out / f"{name}.log").read_text(errors="replace")
+        for other in sorted(self.out.glob(f"{name}_r*.log")):
+            text += f"\n--- {other.name} ---\n" + other.read_text(errors="replace")
+        return text
 
     def alive(self) -> List[int]:
         """Pids of this job's processes still running (torchrun's workers too)."""

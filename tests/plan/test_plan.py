@@ -10,6 +10,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -24,7 +25,7 @@ from lightning_mics.plan import Settings, comm_per_step, estimate, model_state_b
 from lightning_mics.plan.models import (APP_GPT_DEFAULTS, REFERENCE_MODELS, ModelSpec, ParamShape, UnitShapes,
                                         from_gpt_config, from_module, resolve)
 from lightning_mics.layout.topology import plan_layout
-from tests.helpers.launch import REPO, run_ranks
+from tests.helpers.launch import REPO, run_ranks, start_module
 
 SCRIPT = REPO / "tests" / "plan" / "plan_fit.py"
 WORLD = 4
@@ -253,23 +254,34 @@ def test_bad_models(model, text):
     assert text in str(err.value)
 
 
+def _plan_forked(args, tmp):
+    """``python -m lightning_mics.plan ARGS`` forked from the test launcher's preloaded server (the same module as
+    ``__main__``, its arguments, exit status, stdout and stderr; without a fresh interpreter's 6 s of imports): for
+    the command lines whose answer is checked. The first test below starts the command fresh, as a user types it."""
+    out, err = tmp / "plan.stdout", tmp / "plan.stderr"
+    proc = start_module("lightning_mics.plan", list(args), dict(os.environ), REPO, out, err)
+    code = proc.wait(300)
+    return subprocess.CompletedProcess(["-m", "lightning_mics.plan", *args], code, out.read_text(), err.read_text())
+
+
 def test_command_line_prints_the_plan_and_writes_the_chart(tmp_path):
+    """The plan and its chart from the command a user types (a fresh interpreter); the refusal of a bad value
+    through the same module, forked."""
     png = tmp_path / "plan.png"
     out = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "gpt-neox-20b", "--instance",
                           "p4d.24xlarge", "--nodes", "2", "--micro-batch", "4", "--activation-checkpointing",
                           "--png", str(png)], capture_output=True, text=True, cwd=REPO, check=True)
     assert "Recommended s=16" in out.stdout and "| 16 | 1 | 1 |" in out.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "gpt", "--nodes", "0"],
-                         capture_output=True, text=True, cwd=REPO)
+    bad = _plan_forked(["--model", "gpt", "--nodes", "0"], tmp_path)
     assert bad.returncode == 2 and "nodes=0" in bad.stderr
 
 
-def test_optimizer_state_sharding_on_the_command_line():
+def test_optimizer_state_sharding_on_the_command_line(tmp_path):
     """ZeRO-1 keeps whole parameters and gradients on every rank: more memory than any sharding degree, less
     than plain data parallelism (s = 1 without it), whose AdamW state per rank is 8 times ZeRO-1's at W = 8."""
-    out = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "gpt2", "--gpus-per-node", "8",
-                          "--shard-optimizer-state"], capture_output=True, text=True, cwd=REPO, check=True)
+    out = _plan_forked(["--model", "gpt2", "--gpus-per-node", "8", "--shard-optimizer-state"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
     assert "| 1 | 1 | 8 |" in out.stdout, out.stdout
     kw = dict(gpus_per_node=8, param_persistence_threshold=0)  # every parameter sharded: the optimizer state 1/8
     zero1 = lightning_mics.plan("gpt2", shard_optimizer_state=True, **kw).estimate(1).model_state
@@ -350,13 +362,14 @@ def test_bad_quantization_settings(kwargs, option):
     assert option in str(err.value)
 
 
-def test_recommends_by_its_own_estimates_llama_2_7b_on_two_nodes():
+def test_recommends_by_its_own_estimates_llama_2_7b_on_two_nodes(tmp_path):
     """Llama-2-7B, 2 nodes of 8 GPUs (80 GiB), activation checkpointing: s=2 is the smallest layout that fits,
     but its 8 replicas all-reduce 13.5 GB per step across nodes (3.86 s predicted); s=8 fits with room and predicts
     0.694 s. The plan recommends s=8 and its reason names the figures of every layout that fits."""
-    out = subprocess.run([sys.executable, "-m", "lightning_mics.plan", "--model", "llama-2-7b", "--nodes", "2",
-                          "--gpus-per-node", "8", "--activation-checkpointing"], capture_output=True, text=True,
-                         cwd=REPO, check=True).stdout
+    proc = _plan_forked(["--model", "llama-2-7b", "--nodes", "2", "--gpus-per-node", "8",
+                         "--activation-checkpointing"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
     assert "Recommended s=8 (r=2 replicas): 16.6 GiB per GPU" in out, out
     assert ("Of the 4 layouts that fit, it predicts the least communication per optimizer step, 0.694 s at 16.6 GiB "
             "per GPU (the others: s=2: 3.86 s at 54.3 GiB; s=4: 1.75 s at 29.2 GiB; s=16: 4.38 s at 10.4 GiB).") in out
