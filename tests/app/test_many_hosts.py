@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from tests.helpers.app import MICS_TINY, TINY, app_env, run_app
 from tests.helpers.launch import REPO, free_port
-from tests.helpers.netns import HOSTS, join
+from tests.helpers.netns import HOSTS, namespace_hosts
 
 pytestmark = pytest.mark.distributed
 
@@ -43,29 +42,10 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", 
                 "TORCHELASTIC_RUN_ID")
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True)
-
-
 @pytest.fixture
 def two_hosts():
-    tag = f"h{os.getpid() % 100000}"
-    names = [f"{tag}a", f"{tag}b"]  # namespaces; the veth ends carry the same names (<= 15 characters)
-    if shutil.which("ip") is None:
-        pytest.skip("two-host test: the `ip` command (iproute2) is not installed")
-    made = []
-    try:
-        for ns in names:
-            r = _ip("netns", "add", ns)
-            if r.returncode != 0:
-                pytest.skip(f"two-host test: cannot create a network namespace here ({r.stderr.strip()}); "
-                            "it needs root or CAP_NET_ADMIN")
-            made.append(ns)
-        join(names)
+    with namespace_hosts("h") as names:
         yield names
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns)  # takes its end of the veth pair with it
 
 
 def _on_hosts(hosts: Sequence[str], command: Callable[[int], List[str]], extra_env: Callable[[int], Dict[str, str]],

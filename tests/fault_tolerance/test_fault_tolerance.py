@@ -18,16 +18,13 @@ Bounds such as "within 60 s" are timeouts here; the measured figures are benchma
 
 import json
 import os
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.helpers.ft_groups import FTJob, records, wait_for
 from tests.helpers.launch import REPO, free_port, run_ranks, start
-from tests.helpers.netns import HOSTS, join
+from tests.helpers.netns import HOSTS, namespace_hosts
 
 pytestmark = pytest.mark.distributed
 pytest.importorskip("torchft")
@@ -141,29 +138,10 @@ def test_the_main_job_under_fault_tolerance(tmp_path):
 
 
 # -- a lost host -----------------------------------------------------------------------------------------------
-def _ip(*args):
-    return subprocess.run(["ip", *args], capture_output=True, text=True)
-
-
 @pytest.fixture
 def two_hosts():
-    tag = f"f{os.getpid() % 100000}"
-    names = [f"{tag}a", f"{tag}b"]  # namespaces; the veth ends carry the same names (<= 15 characters)
-    if shutil.which("ip") is None:
-        pytest.skip("two-host test: the `ip` command (iproute2) is not installed")
-    made = []
-    try:
-        for ns in names:
-            r = _ip("netns", "add", ns)
-            if r.returncode != 0:
-                pytest.skip(f"two-host test: cannot create a network namespace here ({r.stderr.strip()}); "
-                            "it needs root or CAP_NET_ADMIN")
-            made.append(ns)
-        join(names)
+    with namespace_hosts("f") as names:
         yield names
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns)
 
 
 def _samples(out, tag, ranks=(0, 1)):

@@ -10,8 +10,13 @@ every byte between the hosts crosses it. Each veth end is named after its namesp
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import subprocess
-from typing import List, Sequence
+from typing import Iterator, List, Sequence
+
+import pytest
 
 HOSTS = ("127.200.0.1", "127.200.0.2")
 
@@ -43,3 +48,27 @@ def join(names: Sequence[str]) -> None:
         r = _run(*step)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(step)}: {r.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def namespace_hosts(prefix: str) -> Iterator[List[str]]:
+    """Two namespaces, joined (:func:`join`), named ``<prefix><pid>a`` / ``...b`` (the veth ends carry the same
+    names, at most 15 characters); both deleted afterwards, which takes the veth pair with them. Skips the test
+    where namespaces cannot be made (no iproute2, or neither root nor CAP_NET_ADMIN)."""
+    tag = f"{prefix}{os.getpid() % 100000}"
+    names = [f"{tag}a", f"{tag}b"]
+    if shutil.which("ip") is None:
+        pytest.skip("two-host test: the `ip` command (iproute2) is not installed")
+    made = []
+    try:
+        for ns in names:
+            r = _run("ip", "netns", "add", ns)
+            if r.returncode != 0:
+                pytest.skip(f"two-host test: cannot create a network namespace here ({r.stderr.strip()}); "
+                            "it needs root or CAP_NET_ADMIN")
+            made.append(ns)
+        join(names)
+        yield names
+    finally:
+        for ns in made:
+            _run("ip", "netns", "del", ns)

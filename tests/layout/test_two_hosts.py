@@ -14,43 +14,23 @@ CAP_NET_ADMIN, no ``ip``), it skips and says why.
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from tests.helpers.launch import REPO
-from tests.helpers.netns import HOSTS, join
+from tests.helpers.netns import HOSTS, namespace_hosts
 from tests.engine.test_equivalence import _assert_matches
 
 pytestmark = pytest.mark.distributed
 
 
 
-def _ip(*args):
-    return subprocess.run(["ip", *args], capture_output=True, text=True)
-
-
 @pytest.fixture
 def two_hosts():
-    tag = f"m{os.getpid() % 100000}"
-    names = [f"{tag}a", f"{tag}b"]  # namespaces; the veth ends carry the same names (<= 15 characters)
-    if shutil.which("ip") is None:
-        pytest.skip("two-host test: the `ip` command (iproute2) is not installed")
-    made = []
-    try:
-        for ns in names:
-            r = _ip("netns", "add", ns)
-            if r.returncode != 0:
-                pytest.skip(f"two-host test: cannot create a network namespace here ({r.stderr.strip()}); "
-                            "it needs root or CAP_NET_ADMIN")
-            made.append(ns)
-        join(names)
+    with namespace_hosts("m") as names:
         yield names
-    finally:
-        for ns in made:
-            _ip("netns", "del", ns)  # takes its end of the veth pair with it
 
 
 def test_two_hosts_match_one_process(two_hosts, tmp_path):
