@@ -24,7 +24,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_mics.checkpoint.files import set_element
+from lightning_mics.checkpoint.files import empty_entries_under
 from lightning_mics.engine.engine import MiCSEngine
 from lightning_mics.layout.placement import local
 
@@ -94,12 +94,7 @@ def targets(index: Metadata, engines: Engines, optimizers: Optimizers, saved: Op
             _restart(where, "it was saved without replica_sync='diloco'" if have is None else
                      f"it was saved in another layout ({have} here {want})")
             continue
-        target: Dict[str, Any] = {}
-        for flat, md in index.state_dict_metadata.items():
-            path = index.planner_data.get(flat)
-            if path and tuple(path[:3]) == (KEY, key, f"rank{rank}"):
-                set_element(target, tuple(path[2:]), torch.empty(tuple(md.size), dtype=md.properties.dtype,
-                                                                 device=engine.device))
+        target = empty_entries_under(index, (KEY, key, f"rank{rank}"), engine.device)
         if target:
             found[key] = target
     return {KEY: found} if found else {}

@@ -21,12 +21,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Dict, Optional, Tuple
 
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_mics.comm import quantized
-from lightning_mics.checkpoint.files import set_element
+from lightning_mics.checkpoint.files import empty_entries_under
 from lightning_mics.engine.engine import MiCSEngine
 
 KEY = "mics_error_feedback"
@@ -99,13 +98,7 @@ def _targets(index: Metadata, key: str, engine: Optional[MiCSEngine], saved: Opt
                else f"they were made in another layout ({_diff(saved, want)})")
         _restart(where, why)
         return None
-    target: Dict[str, Any] = {}
-    for flat, md in index.state_dict_metadata.items():
-        path = index.planner_data.get(flat)
-        if path and tuple(path[:3]) == (KEY, key, f"rank{rank}"):
-            set_element(target, tuple(path[2:]), torch.empty(tuple(md.size), dtype=md.properties.dtype,
-                                                             device=engine.device))
-    return target
+    return empty_entries_under(index, (KEY, key, f"rank{rank}"), engine.device)
 
 
 def _restore(engine: MiCSEngine, loaded: Dict[str, Any]) -> None:

@@ -299,6 +299,18 @@ def empty_state(index: Metadata) -> Dict[str, Any]:
     return state
 
 
+def empty_entries_under(index: Metadata, prefix: Tuple, device: Any) -> Dict[str, Any]:
+    """Empty tensors for the saved entries whose path starts with ``prefix``, nested from the path's third element
+    on (``(key, name, f"rank{r}")``: one rank's own entries), on ``device``: what ``dcp.load`` reads them into."""
+    target: Dict[str, Any] = {}
+    for flat, md in index.state_dict_metadata.items():
+        path = index.planner_data.get(flat)
+        if path and tuple(path[:len(prefix)]) == tuple(prefix):
+            set_element(target, tuple(path[2:]), torch.empty(tuple(md.size), dtype=md.properties.dtype,
+                                                             device=device))
+    return target
+
+
 def _unreadable(path: Path, err: BaseException, weights_only: Optional[bool]) -> CheckpointError:
     if path.is_file() and not zipfile.is_zipfile(path):
         why = "not a complete torch.save file (no zip directory at its end: truncated, or not a checkpoint)"
