@@ -303,12 +303,10 @@ def comm_per_step(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, 
     rows_units = sum(1 for u in units if u.sharded)
     if r > 1 and st.shard_optimizer_state and rows_units:  # [Note: rows between steps]: a flag per unit, fp32
         add("all_reduce/replicate", 4 * rows_units, A - 1)  # on the forwards inside the window (no step before)
-    if diloco and s > 1:
+    group, size = ("shard", s) if diloco else ("world", W)  # the replicated parameters' all-reduce
+    if size > 1:
         for b in _world_buckets(units, st):
-            add("all_reduce/shard", b * 4)
-    elif W > 1 and not diloco:
-        for b in _world_buckets(units, st):
-            add("all_reduce/world", b * 4)
+            add(f"all_reduce/{group}", b * 4)
     return out
 
 
