@@ -2,7 +2,8 @@
 
 Runs the main job (``python -m lightning_mics.app.train``) once per configuration, on 4 CPU ranks with s = 2 (two
 replica groups), the same seed, data, model and number of optimizer steps (so the same tokens), and prints a markdown
-table of each run's validation loss at every validation point, with the final loss relative to exact sync:
+table of each run's validation loss at every validation point, with the final loss relative to exact sync, and a plot
+of the loss against tokens (``diloco_quality.png`` under ``--out``):
 
     python benchmarks/diloco_quality.py            # exact, H = 4, 8, 16, 32 and 16 with int8; 192 steps each
     python benchmarks/diloco_quality.py --steps 96 --runs exact diloco:16 diloco:16:int8
@@ -87,6 +88,36 @@ def table(runs: List[str], reports: Dict[str, Dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(runs: List[str], reports: Dict[str, Dict], path: Path) -> None:
+    """Validation loss against tokens, a line per run; exact sync in black, int8 runs dashed, one colour per H."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    every = sorted({int(run.split(":")[1]) for run in runs if run != "exact"})
+    for run in runs:
+        r = reports[run]
+        tokens_per_step = r["tokens"] / r["steps"]
+        xs = [(step + 1) * tokens_per_step / 1e6 for step, _ in r["val_loss_history"]]
+        ys = [v for _, v in r["val_loss_history"]]
+        if run == "exact":
+            ax.plot(xs, ys, color="k", lw=2, marker="o", label="exact sync")
+            continue
+        h = int(run.split(":")[1])
+        ax.plot(xs, ys, color=f"C{every.index(h)}", ls="--" if "int8" in run.split(":") else "-",
+                marker=".", label=run)
+    ax.set_xlabel("tokens, millions (all ranks)")
+    ax.set_ylabel("validation loss")
+    ax.set_title("DiLoCo across 2 replica groups (4 ranks, s = 2): loss at equal tokens")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", nargs="+",
@@ -104,7 +135,9 @@ def main() -> None:
               f"({reports[run]['wall_s']:.0f} s)", flush=True)
     text = table(args.runs, reports)
     (args.out / "table.md").write_text(text + "\n")
+    plot(args.runs, reports, args.out / "diloco_quality.png")
     print(text)
+    print(f"plot: {args.out / 'diloco_quality.png'}")
 
 
 if __name__ == "__main__":
