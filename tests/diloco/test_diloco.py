@@ -9,7 +9,13 @@ residual MLP (tests/diloco/diloco_ranks.py), each run against a single-process s
 - under bf16-mixed (the outer step on the fp32 masters) within three times exact sync's own bf16 distance from
   its fp32 simulation;
 - nothing crosses the replica groups inside a window: one all-reduce (int8: an all-to-all and an all-gather) on the
-  replica group at each sync step, none at the others (the dispatcher's count); exact sync has one per unit per step.
+  replica group at each sync step, none at the others (the dispatcher's count); exact sync has one per unit per step;
+- streaming fragments ([Note: streaming fragments] in lightning_mics/engine/fragments.py): F = 2 and 3, a delay of
+  one step with fragment_mixing 0.5 (a fragment still in flight when the run ends), equal the simulation to fp32
+  rounding; one fragment's all-reduce per sync step, of that fragment's elements only; int8 fragments in flight
+  within the derived bound on the fragment synced, the other untouched;
+- with every collective finishing late (exact-window DiLoCo, streaming with a delay, int8 in flight) every rank's
+  parameters equal its prompt run bit for bit ([Note: late collectives] in tests/helpers/late_collectives.py).
 """
 
 import json
@@ -32,7 +38,17 @@ VARIANTS = [
     {"steps": 4, "s": 1, "replica_sync": "diloco", "sync_every": 2},
     {"steps": 4, "precision": "bf16-mixed"},  # exact sync under bf16-mixed: the yardstick of bf16's rounding
     {"steps": 4, "precision": "bf16-mixed", "replica_sync": "diloco", "sync_every": 2},
+    # streaming: 8 F = 2 blocking; 9 a delay and mixing, fragment 1 in flight at the end; 10 F = 3 with a delay;
+    # 11 int8 in flight (fragment 0 sent after step 1, applied after step 2: the run's only outer step)
+    {"steps": 6, "replica_sync": "diloco", "sync_every": 4, "sync_fragments": 2},
+    {"steps": 7, "replica_sync": "diloco", "sync_every": 4, "sync_fragments": 2, "sync_delay": 1,
+     "fragment_mixing": 0.5},
+    {"steps": 6, "replica_sync": "diloco", "sync_every": 6, "sync_fragments": 3, "sync_delay": 1},
+    {"steps": 2, "replica_sync": "diloco", "sync_every": 4, "sync_fragments": 2, "sync_delay": 1,
+     "fragment_mixing": 0.5, "quantize_gradients": True, "quantization_block_size": 32},
 ]
+STREAMING = [8, 9, 10, 11]
+LATE = [2, 9, 11]  # run again with every collective 30 ms late: exact-window DiLoCo, streaming, int8 in flight
 FP32 = 1e-6  # parameters are O(0.1-1); the runs and the simulation round differently by a few ulps at most
 U = 2.0 ** -24
 
@@ -40,7 +56,7 @@ U = 2.0 ** -24
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("diloco")
-    res = run_ranks(RANKS, 4, ["--variants", json.dumps(VARIANTS)], out)
+    res = run_ranks(RANKS, 4, ["--variants", json.dumps(VARIANTS), "--late", *map(str, LATE)], out)
     return sorted(res, key=lambda r: r["rank"])
 
 
@@ -163,3 +179,81 @@ def test_main_job_config_takes_diloco():
     o = strategy.options
     assert (o.replica_sync, o.sync_every, o.outer_lr, o.outer_momentum, o.outer_nesterov, o.quantize_gradients) == \
         ("diloco", 4, 0.5, 0.9, True, True)
+
+
+def _frags(v):
+    return v.get("sync_fragments", 1), v.get("sync_every", 1) // v.get("sync_fragments", 1), v.get("sync_delay", 0)
+
+
+@pytest.mark.parametrize("k", [8, 9, 10], ids=["f2", "f2_delay1_mixing", "f3_delay1"])
+def test_streaming_fragments_equal_the_single_process_simulation(runs, k):
+    assert max(_distance(runs, k)) <= FP32, _distance(runs, k)
+    from tests.diloco.diloco_ranks import FRAGMENTS
+
+    for r in runs:  # the cut the simulation assumes is the engine's
+        assert r["runs"][k]["fragments"] == [sorted(f) for f in FRAGMENTS[_frags(VARIANTS[k])[0]]]
+    # the comparison has power: the fragments' run is neither exact-window DiLoCo nor the replicas' own training
+    sim = runs[0]["sims"][k]["params"]
+    assert (torch.tensor(sim[0]) - torch.tensor(sim[1])).abs().max().item() > 1e-3  # not synced at the end
+    whole = torch.tensor(runs[0]["sims"][2]["params"][0])
+    assert (torch.tensor(sim[0]) - whole).abs().max().item() > 1e-3
+
+
+def test_streaming_sends_one_fragment_per_sync_step(runs):
+    """The dispatcher's count: one all-reduce on the replica group at each fragment's send step, of that fragment's
+    elements (fp32) on this rank; none at the other steps. int8: the all-to-all at the send, the all-gather at the
+    apply (gloo issues a chain's second collective when it is waited for). The fragments hold the whole shard."""
+    for r in runs:
+        whole = r["runs"][2]["replica_traffic"][2]  # exact-window DiLoCo: the whole shard's all-reduce
+        assert [op for op, _ in whole] == ["all_reduce"]
+        for k in STREAMING:
+            v, run = VARIANTS[k], r["runs"][k]
+            F, period, delay = _frags(v)
+            numels = run["fragment_numels"]
+            assert len(numels) == F and sum(numels) * 4 == whole[0][1] and max(numels) < sum(numels)
+            if F == 2:
+                assert max(numels) <= 0.6 * sum(numels), numels  # about half the bytes per sync
+            for b, batch in enumerate(run["replica_traffic"]):
+                n = b % v["sync_every"] + 1
+                sent = (n + delay) // period - 1 if (n + delay) % period == 0 else None
+                applied = n % period == 0
+                if v.get("quantize_gradients"):
+                    want = (["all_to_all"] if sent is not None else []) + (["all_gather"] if applied else [])
+                    assert [op for op, _ in batch] == want, (k, b, batch)
+                else:
+                    want = [] if sent is None else [["all_reduce", numels[sent] * 4]]
+                    assert batch == want, (k, b, batch)
+
+
+def test_int8_fragment_in_flight_within_the_derived_bound(runs):
+    """Variant 11: fragment 0 (head, block 0) is sent in int8 after step 1 and applied after step 2, the run's only
+    outer step: its parameters are within [Note: the int8 outer bound] (diloco_ranks.py) of the simulation (the
+    mixing only scales the error by 1 - alpha), and fragment 1 (block 1), never synced, equals it to fp32 rounding."""
+    k = 11
+    sim = runs[0]["sims"][k]
+    r = len(sim["pseudo_inf"])
+    bound = 0.7 * (1 + 0.9) * (2 / 254 + (r + 6) * U) * sum(sim["pseudo_inf"]) / r
+    from tests.diloco.diloco_ranks import build
+
+    names = [n for n, _ in build().named_parameters()]
+    sizes = [p.numel() for p in build().parameters()]
+    in_block1 = torch.cat([torch.full((n,), name.startswith("blocks.1.")) for name, n in zip(names, sizes)])
+    for run in runs:
+        diff = (torch.tensor(run["runs"][k]["params"]) - torch.tensor(sim["params"][_replica(VARIANTS[k], run["rank"])])).abs()
+        assert diff[~in_block1].max().item() <= bound + FP32, (diff[~in_block1].max().item(), bound)
+        assert diff[~in_block1].max().item() > 10 * FP32  # the quantization did act
+        assert diff[in_block1].max().item() <= FP32
+    assert bound < 0.05
+
+
+def test_late_collectives_leave_every_rank_bit_equal(runs):
+    """Exact-window DiLoCo, streaming with a delay (the fragment's all-reduce in flight across an inner step, one
+    still in flight when fit ends) and int8 in flight, each run again with every collective finishing 30 ms after
+    it was issued: every rank's parameters equal its prompt run bit for bit, with the same replica traffic. An
+    average read before its ``wait()`` would hold the unreduced pseudo-gradient there."""
+    for r in runs:
+        for k in LATE:
+            late, prompt = r["late"][str(k)], r["runs"][k]
+            assert sum(late["late_issued"].values()) > 0
+            assert late["params"] == prompt["params"], (k, r["rank"])
+            assert late["replica_traffic"] == prompt["replica_traffic"], (k, r["rank"])
