@@ -137,14 +137,20 @@ def test_nothing_crosses_the_replica_groups_inside_a_window(runs):
 def test_stop_and_resume_equals_the_uninterrupted_run(tmp_path):
     """A sharded checkpoint after step 3 (one step into a window, H = 2) resumed to step 6 ends where the
     uninterrupted run ends, on every rank, bit for bit: each replica's masters and inner momentum, the anchors, the
-    outer momentum and the step count came back ([Note: DiLoCo in checkpoints])."""
+    outer momentum and the step count came back ([Note: DiLoCo in checkpoints]). The same with streaming fragments
+    (H = 4, F = 2, a delay of one step, mixing 0.5): saved after step 3 with fragment 1's all-reduce in flight, its
+    average saved and applied after step 4 of the resumed run."""
     res = sorted(run_ranks(REPO / "tests" / "diloco" / "diloco_resume.py", 4, [], tmp_path), key=lambda r: r["rank"])
     for r in res:
-        assert r["whole"]["step"] == r["resumed"]["step"] == 6 and r["first"]["step"] == 3
-        assert r["first"]["steps_at_save"] == 1  # saved inside a window
-        assert r["resumed"]["params"] == r["whole"]["params"], r["rank"]
-    # the replica groups held different masters at the save: one shared copy would not have resumed this run
-    assert res[0]["first"]["at_save"] != res[2]["first"]["at_save"]
+        for name, inside, in_flight in (("window", 1, None), ("streaming", 3, 1)):
+            c = r[name]
+            assert c["whole"]["step"] == c["resumed"]["step"] == 6 and c["first"]["step"] == 3
+            assert c["first"]["steps_at_save"] == inside  # saved inside a window
+            assert c["first"]["in_flight_at_save"] == in_flight
+            assert c["resumed"]["params"] == c["whole"]["params"], (name, r["rank"])
+    for name in ("window", "streaming"):
+        # the replica groups held different masters at the save: one shared copy would not have resumed this run
+        assert res[0][name]["first"]["at_save"] != res[2][name]["first"]["at_save"]
 
 
 def test_fabric_loop_equals_the_simulation_and_resumes_exactly(tmp_path):
