@@ -178,13 +178,15 @@ def test_main_job_config_takes_diloco():
     with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "strategy.sharded_data_parallel_degree=2", "strategy.replica_sync=diloco", "strategy.sync_every=4",
-            "strategy.outer_lr=0.5", "strategy.quantize_gradients=true"])
+            "strategy.outer_lr=0.5", "strategy.quantize_gradients=true", "strategy.sync_fragments=2",
+            "strategy.sync_delay=1", "strategy.fragment_mixing=0.5"])
         with pytest.raises(ConfigCompositionException):
             compose(config_name="config", overrides=["strategy.sync_every=often"])
     strategy = instantiate(cfg.strategy)
     o = strategy.options
     assert (o.replica_sync, o.sync_every, o.outer_lr, o.outer_momentum, o.outer_nesterov, o.quantize_gradients) == \
         ("diloco", 4, 0.5, 0.9, True, True)
+    assert (o.sync_fragments, o.sync_delay, o.fragment_mixing) == (2, 1, 0.5)
 
 
 def _frags(v):
@@ -263,3 +265,33 @@ def test_late_collectives_leave_every_rank_bit_equal(runs):
             assert sum(late["late_issued"].values()) > 0
             assert late["params"] == prompt["params"], (k, r["rank"])
             assert late["replica_traffic"] == prompt["replica_traffic"], (k, r["rank"])
+
+
+def test_fragments_cut_and_schedule():
+    """[Note: streaming fragments] in lightning_mics/engine/fragments.py, in this process: the units' cut (consecutive,
+    nonempty, each cut nearest its share; more fragments than units refused naming the option), and the schedule:
+    each fragment sent and applied once per window, tau steps apart, at most one in flight, the last at the window's
+    end; F = 1 with no delay is the sync after every H-th step."""
+    from lightning_mics.engine.fragments import applies_after, sent_after, split_units
+
+    assert split_units([24, 202, 202], 2) == [[0, 1], [2]]
+    assert split_units([24, 202, 202], 3) == [[0], [1], [2]]
+    assert split_units([10] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert split_units([100, 1, 1, 1], 2) == [[0], [1, 2, 3]]
+    with pytest.raises(ValueError, match=r"sync_fragments=4 is invalid: allowed is an integer in \[1, 3\]"):
+        split_units([24, 202, 202], 4)
+    for H, F in ((16, 1), (16, 4), (12, 3), (8, 8)):
+        for tau in range(H // F):
+            in_flight, seen = None, []
+            for n in range(1, H + 1):
+                sent = sent_after(n, H, F, tau)
+                if sent is not None:
+                    assert in_flight is None
+                    in_flight = sent
+                    seen.append((sent, n))
+                if in_flight is not None and n == applies_after(in_flight, H, F):
+                    assert n == seen[-1][1] + tau
+                    in_flight = None
+            assert [f for f, _ in seen] == list(range(F)) and in_flight is None
+            assert applies_after(F - 1, H, F) == H
+    assert [n for n in range(1, 17) if sent_after(n, 16, 1, 0) is not None] == [16]
