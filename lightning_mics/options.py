@@ -12,8 +12,8 @@ The options are listed once, as ``MiCSConfig``'s fields. ``MiCSOptions`` is the 
 fields (lists become tuples) that the front ends (``frontends/trainer.py`` for the Trainer, ``fabric.py`` for Fabric), the
 engine and the planner's defaults read; both front ends take the options as keywords (``**options``) and
 ``config_from`` refuses an unknown name; ``with_options_signature`` shows them in ``help()``/``inspect.signature``
-(both in frontends/keywords.py). :meth:`MiCSOptions.resolved` fills what the precision and the layout decide (gathered and
-reduction dtypes, one-hop or two-hop gather) before the engine is built.
+(both in frontends/keywords.py). :meth:`MiCSOptions.resolved` fills what the precision and the layout decide
+(gathered and reduction dtypes, one-hop or two-hop gather) before the engine is built.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def check_diloco(cfg: Any) -> None:
 
 
 def check_fragments(cfg: Any) -> None:
-    """Streaming DiLoCo's options: F divides H, a delay under H / F (a fragment's sync lands before the next is sent)."""
+    """Streaming DiLoCo's options: F divides H, a delay under H / F (one sync lands before the next is sent)."""
     frags = cfg.sync_fragments = _int_like("sync_fragments", cfg.sync_fragments, 1)
     delay = cfg.sync_delay = _int_like("sync_delay", cfg.sync_delay, 0)
     if cfg.sync_every % frags:

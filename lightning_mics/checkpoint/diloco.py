@@ -12,10 +12,10 @@ replicated over the replicate axis once). So every rank also writes, under ``KEY
 (the masters and anchors in the order of ``OuterSync.masters``; ``inner``: the local tensors of the inner optimizer's
 state, by position of the parameter in the optimizer; ``steps``: the window's inner steps, the outer steps and the
 fragment in flight; ``in_flight``, only when there is one: its average, waited for at the save, applied at its step
-after the load, [Note: streaming fragments] in engine/fragments.py). A load into the same layout (world size, s, units, optimizers)
-reads them back after the model and the optimizer have been loaded, so a resumed run is the uninterrupted one, inside
-a window too. From another layout, a full checkpoint or one saved without DiLoCo, every replica starts from the
-checkpoint's copy and the anchors are taken again at the next step (a warning says so).
+after the load, [Note: streaming fragments] in engine/fragments.py). A load into the same layout (world size, s,
+units, optimizers, fragments) reads them back after the model and the optimizer have been loaded, so a resumed run
+is the uninterrupted one, inside a window too. From another layout, a full checkpoint or one saved without DiLoCo,
+every replica starts from the checkpoint's copy and the anchors are taken again at the next step (a warning says so).
 """
 
 from __future__ import annotations

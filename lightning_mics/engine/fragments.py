@@ -2,16 +2,14 @@
 fragments, when each fragment is sent and when it applies, and its average while in flight.
 
 [Note: streaming fragments]
-With ``sync_fragments`` F the units are cut into F runs of consecutive units (``split_units``: each near 1/F of the
-model's elements counted whole, so the same cut on every rank), and [Note: the outer step on shards] in
-outer_sync.py runs per fragment: fragment f applies after the inner steps n with n mod H = (f + 1) H / F (the last
-at the window's end), so one all-reduce of about 1/F of the shard crosses the replica groups every H / F steps. Its
-pseudo-gradient is taken and its all-reduce issued ``sync_delay`` = tau steps before it applies; the inner steps
-run meanwhile, and nothing reads or writes the flat until ``wait()``. At the apply the outer SGD steps that
-fragment's anchors only, and each of its masters becomes ``lerp(anchor, master, fragment_mixing)``: the synced
-value plus alpha of the local progress since it was sent; the anchor stays the synced value. tau < H / F: at most
-one fragment is in flight, the replica group's only collective until it is waited for. F = 1, tau = 0 is the
-blocking sync of every master at the window's end.
+``sync_fragments`` F cuts the units into F runs of consecutive units (``split_units``, by elements counted whole: the
+same cut on every rank); [Note: the outer step on shards] in outer_sync.py then runs per fragment. Fragment f applies
+after the inner steps n with n mod H = (f + 1) H / F, so about 1/F of the shard crosses the replica groups every H / F
+steps. Its pseudo-gradient is taken and its all-reduce issued ``sync_delay`` = tau steps earlier; the inner steps run
+meanwhile and nothing reads or writes its flat until ``wait()``. At the apply the outer SGD steps only that fragment's
+anchors, and each of its masters becomes ``lerp(anchor, master, fragment_mixing)`` (the synced value plus alpha of the
+local progress since the send); the anchor stays the synced value. tau < H / F: at most one fragment in flight, the
+replica group's only collective until waited for. F = 1, tau = 0: the blocking sync of every master at the window's end.
 """
 
 from __future__ import annotations

@@ -185,7 +185,8 @@ class Fragments(L.Callback):
         if outer is None:
             return
         for units, which in zip(outer.fragment_units, outer.fragments):
-            prefixes = {r.fqn.removeprefix("model.").rsplit(".", 2)[0] for u in units for p in [*engine.units[u].params, *engine.units[u].replicated] for r in p.refs}
+            params = [p for u in units for p in [*engine.units[u].params, *engine.units[u].replicated]]
+            prefixes = {r.fqn.removeprefix("model.").rsplit(".", 2)[0] for p in params for r in p.refs}
             self.names.append(sorted(prefixes))
             self.numels.append(sum(outer.masters[i].numel() for i in which))
 
