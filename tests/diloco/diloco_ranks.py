@@ -16,6 +16,7 @@ lr (1 + mu [nesterov]) (2/254 + (r + 6) U) mean_i ||g_i||_inf, plus the fp32 rou
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -191,7 +192,29 @@ class Fragments(L.Callback):
             self.numels.append(sum(outer.masters[i].numel() for i in which))
 
 
-def run_variant(v, world, rank, train, late=0.0):
+@contextlib.contextmanager
+def average_read_unwaited():
+    """A defect planted on purpose, to show the late device can fail a run: a fragment's average is used where it
+    applies without waiting for its all-reduce (read as the flat holds it then). On gloo's prompt collectives the
+    all-reduce has long finished by then; with the replica group's collectives late it has not."""
+    from lightning_mics.engine.fragments import Average
+
+    real = Average.wait
+
+    def unwaited(self):
+        if not self.done:
+            self.done = True
+            self.flat.mul_(1.0 / self.replicas)
+        return self.flat
+
+    Average.wait = unwaited
+    try:
+        yield
+    finally:
+        Average.wait = real
+
+
+def run_variant(v, world, rank, train, late=0.0, slow=0.0, planted=False):
     v = dict(v)
     steps, accum, clip, s = v.pop("steps"), v.pop("accum", 1), v.pop("clip", None), v.pop("s", 2)
     precision = v.pop("precision", "32-true")
@@ -204,11 +227,12 @@ def run_variant(v, world, rank, train, late=0.0):
                         logger=False, enable_checkpointing=False, callbacks=[traffic, fragments],
                         use_distributed_sampler=False)
     module = Module()
-    mode = LateCollectives(late) if late else None
+    mode = LateCollectives(late, {tuple(replica): slow}) if late else None
     if mode is not None:
         mode.__enter__()
     try:
-        trainer.fit(module, train)
+        with average_read_unwaited() if planted else contextlib.nullcontext():
+            trainer.fit(module, train)
     finally:
         if mode is not None:
             mode.__exit__(None, None, None)
@@ -225,6 +249,8 @@ def main():
     ap.add_argument("--variants", required=True, help="JSON list of strategy options with steps/accum/clip/s")
     ap.add_argument("--late", type=int, nargs="*", default=[], help="variants run again with late collectives")
     ap.add_argument("--delay", type=float, default=0.03, help="seconds each collective finishes late (--late)")
+    ap.add_argument("--planted", type=int, help="a variant run twice more with the replica group's collectives 1 s "
+                    "late: as it is, and with its averages read unwaited (average_read_unwaited)")
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     variants = json.loads(args.variants)
@@ -234,6 +260,10 @@ def main():
                        sampler=DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=False))
     result = {"rank": rank, "runs": [run_variant(v, world, rank, train) for v in variants]}
     result["late"] = {str(k): run_variant(variants[k], world, rank, train, late=args.delay) for k in args.late}
+    if args.planted is not None:
+        v = variants[args.planted]
+        result["slow"] = {kind: run_variant(v, world, rank, train, late=args.delay, slow=1.0, planted=kind == "planted")
+                          for kind in ("honest", "planted")}
     if rank == 0:
         sims = []
         for v in variants:

@@ -56,7 +56,7 @@ U = 2.0 ** -24
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("diloco")
-    res = run_ranks(RANKS, 4, ["--variants", json.dumps(VARIANTS), "--late", *map(str, LATE)], out)
+    res = run_ranks(RANKS, 4, ["--variants", json.dumps(VARIANTS), "--late", *map(str, LATE), "--planted", "9"], out)
     return sorted(res, key=lambda r: r["rank"])
 
 
@@ -269,6 +269,17 @@ def test_late_collectives_leave_every_rank_bit_equal(runs):
             assert sum(late["late_issued"].values()) > 0
             assert late["params"] == prompt["params"], (k, r["rank"])
             assert late["replica_traffic"] == prompt["replica_traffic"], (k, r["rank"])
+
+
+def test_a_fragment_read_before_its_wait_is_caught(runs):
+    """The late device can fail a streaming run: with the replica group's collectives a second late (a slow link),
+    variant 9 as it is still equals its prompt run bit for bit, and the same run with its fragments' averages read
+    where they apply without waiting (diloco_ranks.py's average_read_unwaited) does not: it steps the anchors with
+    this replica's own pseudo-gradient."""
+    for r in runs:
+        honest, planted, prompt = r["slow"]["honest"], r["slow"]["planted"], r["runs"][9]
+        assert honest["params"] == prompt["params"], r["rank"]
+        assert planted["params"] != prompt["params"], r["rank"]
 
 
 def test_fragments_cut_and_schedule():
