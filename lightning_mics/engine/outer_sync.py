@@ -58,7 +58,7 @@ class OuterSync:
         self.in_flight: Optional[InFlight] = None  # the fragment sent and not yet applied
         self.anchors: Optional[List[Tensor]] = None  # taken at the first step (after any load)
         self.optimizer: Optional[torch.optim.SGD] = None
-        self.steps = 0  # inner optimizer steps since the last outer step
+        self.steps = 0  # inner optimizer steps into the window (since the last sync of the whole shard or fragment F - 1)
         self.outer_steps = 0
         self.loaded_inner: Optional[Dict[str, Any]] = None  # a load's inner optimizer state, until the optimizers load
 
