@@ -8,9 +8,10 @@ of the loss against tokens (``diloco_quality.png`` under ``--out``):
     python benchmarks/diloco_quality.py            # exact, H = 4, 8, 16, 32 and 16 with int8; 192 steps each
     python benchmarks/diloco_quality.py --steps 96 --runs exact diloco:16 diloco:16:int8
 
-A run is ``exact`` or ``diloco:<H>[:int8][:lr=<x>][:momentum=<x>]`` (int8: ``quantize_gradients=True``, the
-pseudo-gradients in int8 blocks; lr, momentum: the outer SGD's, else DiLoCo's 0.7 and 0.9 with Nesterov; momentum=0
-turns Nesterov off).
+A run is ``exact`` or ``diloco:<H>[:int8][:lr=<x>][:momentum=<x>][:fragments=<F>][:delay=<tau>][:mixing=<alpha>]``
+(int8: ``quantize_gradients=True``, the pseudo-gradients in int8 blocks; lr, momentum: the outer SGD's, else DiLoCo's
+0.7 and 0.9 with Nesterov; momentum=0 turns Nesterov off; fragments, delay, mixing: streaming DiLoCo's
+``sync_fragments``, ``sync_delay``, ``fragment_mixing``, e.g. ``diloco:16:fragments=4:delay=1:mixing=0.5``).
 Each job writes its run folder under ``--out`` (default ``outputs/diloco_quality``); the table reads their
 ``report.json``. Validation runs every ``--val-every`` optimizer steps; keep it a multiple of every H, so that it
 always sees the synced model (between syncs each replica group holds its own). On the 2-core CPU machine 192 steps
@@ -29,6 +30,17 @@ from pathlib import Path
 from typing import Dict, List
 
 
+STREAMING = {"fragments": ("sync_fragments", int), "delay": ("sync_delay", int), "mixing": ("fragment_mixing", float)}
+
+
+def syncs(run: str, steps: int) -> int:
+    """The replica all-reduces of a run: every step (exact), every H steps, or one fragment's every H / F."""
+    if run == "exact":
+        return steps
+    parts = dict(p.partition("=")[::2] for p in run.split(":")[2:])
+    return steps // (int(run.split(":")[1]) // int(parts.get("fragments", 1)))
+
+
 def overrides(run: str, steps: int, val_every: int) -> List[str]:
     base = ["trainer.devices=4", "strategy.sharded_data_parallel_degree=2", f"trainer.max_steps={steps}",
             f"trainer.val_check_interval={val_every}", "callbacks.progress_bar.refresh_rate=0",
@@ -37,7 +49,8 @@ def overrides(run: str, steps: int, val_every: int) -> List[str]:
         return base
     parts = run.split(":")
     if parts[0] != "diloco" or len(parts) < 2 or not parts[1].isdigit():
-        raise SystemExit(f"a run is 'exact' or 'diloco:<H>[:int8][:lr=<x>][:momentum=<x>]', got {run!r}")
+        raise SystemExit(f"a run is 'exact' or 'diloco:<H>[:int8][:lr=<x>][:momentum=<x>][:fragments=<F>]"
+                         f"[:delay=<tau>][:mixing=<alpha>]', got {run!r}")
     out = base + ["strategy.replica_sync=diloco", f"strategy.sync_every={int(parts[1])}"]
     for part in parts[2:]:
         key, _, value = part.partition("=")
@@ -47,8 +60,12 @@ def overrides(run: str, steps: int, val_every: int) -> List[str]:
             out.append(f"strategy.outer_{key}={float(value)}")
             if key == "momentum" and float(value) == 0:
                 out.append("strategy.outer_nesterov=false")
+        elif key in STREAMING and (value if STREAMING[key][1] is int else value.replace(".", "", 1)).isdigit():
+            name, kind = STREAMING[key]
+            out.append(f"strategy.{name}={kind(value)}")
         else:
-            raise SystemExit(f"{run!r}: {part!r} is not int8, lr=<x> or momentum=<x>")
+            raise SystemExit(f"{run!r}: {part!r} is not int8, lr=<x>, momentum=<x>, fragments=<F>, delay=<tau> or "
+                             "mixing=<alpha>")
     return out
 
 
@@ -82,9 +99,8 @@ def table(runs: List[str], reports: Dict[str, Dict]) -> str:
         r = reports[run]
         losses = dict((s, v) for s, v in r["val_loss_history"])
         rel = f"{(r['val_loss_final'] / exact['val_loss_final'] - 1) * 100:+.1f}%" if exact else "-"
-        syncs = r["steps"] if run == "exact" else r["steps"] // int(run.split(":")[1])  # outer steps
         lines.append(f"| {run} | {r['tokens']:,} | " + " | ".join(f"{losses.get(p, float('nan')):.4f}" for p in points)
-                     + f" | {rel} | {syncs} |")
+                     + f" | {rel} | {syncs(run, r['steps'])} |")
     return "\n".join(lines)
 
 

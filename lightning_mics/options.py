@@ -11,17 +11,16 @@ Checks that need the world size (``sharded_data_parallel_degree`` must divide it
 The options are listed once, as ``MiCSConfig``'s fields. ``MiCSOptions`` is the frozen copy made from those
 fields (lists become tuples) that the front ends (``frontends/trainer.py`` for the Trainer, ``fabric.py`` for Fabric), the
 engine and the planner's defaults read; both front ends take the options as keywords (``**options``) and
-:func:`config_from` refuses an unknown name; :func:`with_options_signature` shows them in ``help()``/
-``inspect.signature``. :meth:`MiCSOptions.resolved` fills what the precision and the layout decide (gathered and
-reduction dtypes, one-hop or two-hop gather) before the engine is built.
+``config_from`` refuses an unknown name; ``with_options_signature`` shows them in ``help()``/``inspect.signature``
+(both in frontends/keywords.py). :meth:`MiCSOptions.resolved` fills what the precision and the layout decide
+(gathered and reduction dtypes, one-hop or two-hop gather) before the engine is built.
 """
 
 from __future__ import annotations
 
-import inspect
 from datetime import timedelta
 from dataclasses import dataclass, field, fields, make_dataclass, replace
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -39,7 +38,8 @@ _QUANT_MAX_BLOCK = 1 << 16  # triton_kernels' limit: one Triton program holds a 
 QUANTIZE_GRADIENTS = (False, True, "error_feedback")
 REPLICA_SYNCS = ("exact", "diloco")
 # the outer optimizer's defaults: DiLoCo's (arXiv 2311.08105: Nesterov SGD, lr 0.7, momentum 0.9); H as torchft's examples
-OUTER_DEFAULTS = {"sync_every": 16, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True}
+OUTER_DEFAULTS = {"sync_every": 16, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True,
+                  "sync_fragments": 1, "sync_delay": 0, "fragment_mixing": 0.0}  # streaming: off
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -157,6 +157,8 @@ def check_fault_tolerance(cfg: Any) -> None:
 # ``quantize_gradients=True``), an outer SGD steps the anchor with it, and the anchor becomes every replica's shard:
 # all ranks of a shard rank hold the same anchor and outer momentum, the inner optimizer's state stays each replica's.
 # It changes the optimization: only H = 1 with outer SGD at lr 1, no momentum, is exact data parallelism.
+# Streaming ([Note: streaming fragments] in engine/fragments.py): the units in ``sync_fragments`` fragments, one synced
+# every H / F steps, its average applied ``sync_delay`` steps after it was sent, merged by ``fragment_mixing``.
 # The engine's part is ``engine/outer_sync.py``.
 def check_diloco(cfg: Any) -> None:
     """Value checks of the DiLoCo options ([Note: DiLoCo across replica groups]), before any process group."""
@@ -181,6 +183,7 @@ def check_diloco(cfg: Any) -> None:
         _fail("outer_nesterov", cfg.outer_nesterov, "True or False")
     if cfg.outer_nesterov and cfg.outer_momentum == 0:
         _fail("outer_nesterov", True, "False with outer_momentum=0 (Nesterov needs momentum)")
+    check_fragments(cfg)
     if cfg.shard_optimizer_state:
         _fail("shard_optimizer_state", True, "False with replica_sync='diloco': the optimizer's rows are cut over the "
               "replicas (s > 1) or every rank (s = 1), while DiLoCo's replica groups step apart")
@@ -193,6 +196,22 @@ def check_diloco(cfg: Any) -> None:
     if cfg.tensor_parallel_degree != 1:
         _fail("tensor_parallel_degree", cfg.tensor_parallel_degree, "1 with replica_sync='diloco' (never run with a "
               "tensor-parallel axis)")
+
+
+def check_fragments(cfg: Any) -> None:
+    """Streaming DiLoCo's options: F divides H, a delay under H / F (one sync lands before the next is sent)."""
+    frags = cfg.sync_fragments = _int_like("sync_fragments", cfg.sync_fragments, 1)
+    delay = cfg.sync_delay = _int_like("sync_delay", cfg.sync_delay, 0)
+    if cfg.sync_every % frags:
+        _fail("sync_fragments", frags, f"a divisor of sync_every={cfg.sync_every} (one fragment synced every "
+              "sync_every / sync_fragments steps, each once per window)")
+    if delay >= cfg.sync_every // frags:
+        _fail("sync_delay", delay, f"an integer in [0, {cfg.sync_every // frags - 1}]: less than sync_every / "
+              f"sync_fragments = {cfg.sync_every // frags}, so one fragment's sync lands before the next is sent")
+    mix = cfg.fragment_mixing
+    if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
+        _fail("fragment_mixing", mix, "a number in [0, 1] (the local parameters' weight against the synced ones)")
+    cfg.fragment_mixing = float(mix)
 
 
 def check_diloco_layout(cfg: Any, s: int, r: int) -> None:
@@ -238,6 +257,9 @@ class MiCSConfig:
     outer_lr: float = OUTER_DEFAULTS["outer_lr"]
     outer_momentum: float = OUTER_DEFAULTS["outer_momentum"]
     outer_nesterov: bool = OUTER_DEFAULTS["outer_nesterov"]
+    sync_fragments: int = OUTER_DEFAULTS["sync_fragments"]  # F: streaming DiLoCo's fragments, synced in turn
+    sync_delay: int = OUTER_DEFAULTS["sync_delay"]  # tau: inner steps a fragment's average is in flight
+    fragment_mixing: float = OUTER_DEFAULTS["fragment_mixing"]  # alpha: the local parameters' weight at the merge
 
     def __post_init__(self) -> None:
         self.sharded_data_parallel_degree = _int_like(
@@ -393,6 +415,10 @@ DESCRIPTIONS: Dict[str, str] = {
     "outer_lr": "diloco: the outer SGD's learning rate on the averaged pseudo-gradient",
     "outer_momentum": "diloco: the outer SGD's momentum",
     "outer_nesterov": "diloco: Nesterov momentum in the outer SGD",
+    "sync_fragments": "diloco: F, the units in F fragments synced in turn, one every sync_every / F steps "
+                      "(streaming DiLoCo); 1: all at once",
+    "sync_delay": "diloco: inner steps a fragment's average is in flight before it applies (overlapped); 0: blocking",
+    "fragment_mixing": "diloco: the local parameters' weight when a synced fragment is merged (0: the synced values)",
 }
 
 
@@ -402,14 +428,9 @@ def _frozen(value: Any) -> Any:
 
 def default_dtypes(precision: str) -> "tuple[Optional[torch.dtype], torch.dtype]":
     """(param_dtype, reduce_dtype) for a precision string: None means 'the parameters' own dtype'."""
-    return {
-        "32-true": (None, torch.float32),
-        "64-true": (None, torch.float64),
-        "bf16-mixed": (torch.bfloat16, torch.float32),
-        "16-mixed": (torch.float16, torch.float32),
-        "bf16-true": (None, torch.float32),
-        "16-true": (None, torch.float32),
-    }[precision]
+    return {"32-true": (None, torch.float32), "64-true": (None, torch.float64),
+            "bf16-mixed": (torch.bfloat16, torch.float32), "16-mixed": (torch.float16, torch.float32),
+            "bf16-true": (None, torch.float32), "16-true": (None, torch.float32)}[precision]
 
 
 def _resolved(self: Any, precision: str, hierarchical: bool) -> "MiCSOptions":
@@ -427,24 +448,3 @@ MiCSOptions = make_dataclass(
     namespace={"resolved": _resolved, "validate_world": MiCSConfig.validate_world, "names": MiCSConfig.names,
                "__module__": __name__,
                "__doc__": "The strategy's options, validated and frozen (built by ``MiCSConfig.freeze``)."})
-
-
-def config_from(options: Dict[str, Any], owner: str = "MiCSStrategy") -> MiCSConfig:
-    """``MiCSConfig(**options)``, an unknown keyword refused as a ValueError naming it and the allowed names."""
-    names = MiCSConfig.names()
-    unknown = sorted(set(options) - set(names))
-    if unknown:
-        raise ValueError(f"{owner} option {unknown[0]}={options[unknown[0]]!r} is invalid: allowed is a keyword of "
-                         f"{names}.")
-    return MiCSConfig(**options)
-
-
-def with_options_signature(init: Callable) -> Callable:
-    """Shows MiCSConfig's fields as keyword-only parameters in place of ``**options`` (for ``help`` and
-    ``inspect.signature``); the function itself still takes ``**options``."""
-    sig = inspect.signature(init)
-    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
-               for f in fields(MiCSConfig)]
-    init.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    return init

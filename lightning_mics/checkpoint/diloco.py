@@ -6,13 +6,16 @@ inner optimizer state, while a sharded checkpoint's model and optimizer entries 
 replicated over the replicate axis once). So every rank also writes, under ``KEY``, what is its own::
 
     {KEY: {<module key>: {"rank<k>": {"masters": {i: t}, "anchors": {i: t}, "momentum": {i: t},
-                                      "has_momentum": t, "steps": t, "inner": {<optimizer>: {<slot>: {<name>: t}}}}}}}
+                                      "has_momentum": t, "steps": t, "inner": {<optimizer>: {<slot>: {<name>: t}}},
+                                      "in_flight": t}}}}
 
 (the masters and anchors in the order of ``OuterSync.masters``; ``inner``: the local tensors of the inner optimizer's
-state, by position of the parameter in the optimizer). A load into the same layout (world size, s, units, optimizers)
-reads them back after the model and the optimizer have been loaded, so a resumed run is the uninterrupted one, inside
-a window too. From another layout, a full checkpoint or one saved without DiLoCo, every replica starts from the
-checkpoint's copy and the anchors are taken again at the next step (a warning says so).
+state, by position of the parameter in the optimizer; ``steps``: the window's inner steps, the outer steps and the
+fragment in flight; ``in_flight``, only when there is one: its average, waited for at the save, applied at its step
+after the load, [Note: streaming fragments] in engine/fragments.py). A load into the same layout (world size, s,
+units, optimizers, fragments) reads them back after the model and the optimizer have been loaded, so a resumed run
+is the uninterrupted one, inside a window too. From another layout, a full checkpoint or one saved without DiLoCo,
+every replica starts from the checkpoint's copy and the anchors are taken again at the next step (a warning says so).
 """
 
 from __future__ import annotations
@@ -41,10 +44,13 @@ def layouts(engines: Engines, optimizers: Optimizers) -> Dict[str, Optional[Dict
 def _layout(engine: Optional[MiCSEngine], optimizers: Sequence[torch.optim.Optimizer]) -> Optional[Dict[str, Any]]:
     if engine is None or engine.outer is None:
         return None
-    lay = engine.topo.layout
-    return {"world_size": lay.world_size, "shard_size": lay.shard_size, "units": len(engine.units),
-            "masters": [m.numel() for m in engine.outer.masters],
-            "optimizers": [sum(len(g["params"]) for g in o.param_groups) for o in optimizers]}
+    lay, outer = engine.topo.layout, engine.outer
+    out = {"world_size": lay.world_size, "shard_size": lay.shard_size, "units": len(engine.units),
+           "masters": [m.numel() for m in outer.masters],
+           "optimizers": [sum(len(g["params"]) for g in o.param_groups) for o in optimizers]}
+    if len(outer.fragments) > 1 or outer.delay:  # what the step count and a fragment in flight mean
+        out["fragments"] = [len(outer.fragments), outer.sync_every, outer.delay]
+    return out
 
 
 def entries(engines: Engines, optimizers: Optimizers, rank: int) -> Dict[str, Any]:
@@ -58,6 +64,8 @@ def entries(engines: Engines, optimizers: Optimizers, rank: int) -> Dict[str, An
                  "anchors": _numbered(outer["anchors"]), "momentum": _numbered(outer["momentum"]),
                  "has_momentum": outer["has_momentum"], "steps": outer["steps"],
                  "inner": {str(i): _inner_state(o) for i, o in enumerate(optimizers.get(key, ()))}}
+        if "in_flight" in outer:
+            state["in_flight"] = outer["in_flight"]
         mine[key] = {f"rank{rank}": state}
     return {KEY: mine} if mine else {}
 
@@ -126,7 +134,8 @@ def restore_model(engines: Engines, loaded: Optional[Dict[str, Any]]) -> None:
         n = len(engine.outer.masters)
         engine.outer.load_state({"anchors": [mine["anchors"][str(i)] for i in range(n)],
                                  "momentum": [mine["momentum"][str(i)] for i in range(n)],
-                                 "has_momentum": mine["has_momentum"], "steps": mine["steps"]})
+                                 "has_momentum": mine["has_momentum"], "steps": mine["steps"],
+                                 "in_flight": mine.get("in_flight")})
         engine.outer.loaded_inner = mine.get("inner", {})
 
 

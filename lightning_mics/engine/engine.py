@@ -214,6 +214,8 @@ class MiCSEngine:
             unit.drop(rows_deadline)
         for rp in self.replicated:
             rp.full.grad = None
+        if self.outer is not None:
+            self.outer.drop_unfinished()
 
     # -- accounting ---------------------------------------------------------------------------------------
     def model_state_bytes(self, optimizers: Sequence[torch.optim.Optimizer] = ()) -> Dict[str, int]:

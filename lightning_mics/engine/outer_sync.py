@@ -9,7 +9,9 @@ blocks with ``quantize_gradients=True``), and takes a step of ``torch.optim.SGD`
 their gradient; the anchors are then copied into the masters. Invariant: after every outer step each master equals its
 anchor on every replica group, and the anchor and the outer momentum are the same on every rank of a replica group
 (the same inputs, the same fp32 ops). Between outer steps the anchor is untouched. The sync runs at the end of every
-``sync_every``-th optimizer step the engine hears of, before the schedule refreshes what stays gathered.
+``sync_every``-th optimizer step the engine hears of, before the schedule refreshes what stays gathered. With
+fragments, each fragment's masters and anchors keep this invariant at its own sync ([Note: streaming fragments] in
+fragments.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import Tensor
 
 from lightning_mics.comm import collectives, quantized
 from lightning_mics.comm.telemetry import CommLog
+from lightning_mics.engine.fragments import Average, InFlight, applies_after, sent_after, split_units
 from lightning_mics.layout.topology import Topology
 from lightning_mics.engine.unit import Unit
 
@@ -31,20 +34,31 @@ class OuterSync:
 
     def __init__(self, units: List[Unit], topo: Topology, options: Any, log: CommLog) -> None:
         self.topo, self.log = topo, log
-        self.sync_every = options.sync_every
+        self.sync_every, self.delay, self.mixing = options.sync_every, options.sync_delay, options.fragment_mixing
         self.lr, self.momentum, self.nesterov = options.outer_lr, options.outer_momentum, options.outer_nesterov
         self.quantize = bool(options.quantize_gradients)
         self.block_size, self.kernels = options.quantization_block_size, options.kernels
         # the masters, in a fixed order (the same on every rank of a replica group): each unit's flat shard, then
         # its replicated parameters
         self.masters: List[Tensor] = []
-        for unit in units:
+        by_unit, sizes, held = [], [], []  # of each unit that has masters: their indices, its elements counted whole
+        for k, unit in enumerate(units):
+            first = len(self.masters)
             if unit.params:
                 self.masters.append(unit.shard_flat)
             self.masters.extend(rp.local for rp in unit.replicated)
+            if len(self.masters) > first:
+                by_unit.append(list(range(first, len(self.masters))))
+                sizes.append(unit.full_numel + sum(rp.local.numel() for rp in unit.replicated))
+                held.append(k)
+        # [Note: streaming fragments] in fragments.py: each fragment's units (their index in ``units``) and masters
+        runs = split_units(sizes, options.sync_fragments)
+        self.fragment_units = [[held[u] for u in run] for run in runs]
+        self.fragments = [[i for u in run for i in by_unit[u]] for run in runs]
+        self.in_flight: Optional[InFlight] = None  # the fragment sent and not yet applied
         self.anchors: Optional[List[Tensor]] = None  # taken at the first step (after any load)
         self.optimizer: Optional[torch.optim.SGD] = None
-        self.steps = 0  # inner optimizer steps since the last outer step
+        self.steps = 0  # inner optimizer steps into the window (since the last sync of the whole shard or fragment F - 1)
         self.outer_steps = 0
         self.loaded_inner: Optional[Dict[str, Any]] = None  # a load's inner optimizer state, until the optimizers load
 
@@ -57,8 +71,10 @@ class OuterSync:
         self.optimizer = torch.optim.SGD(self.anchors, lr=self.lr, momentum=self.momentum, nesterov=self.nesterov)
 
     def forget(self) -> None:
-        """The masters were replaced (a load): the anchors are taken again before the next step."""
-        self.anchors, self.optimizer, self.steps = None, None, 0
+        """The masters were replaced (a load): the anchors are taken again before the next step; a fragment in flight
+        is waited for and dropped."""
+        self.settle()
+        self.anchors, self.optimizer, self.steps, self.in_flight = None, None, 0, None
 
     def step_begins(self) -> None:
         """An inner optimizer step begins: the first one takes the anchors (the masters as the run starts)."""
@@ -66,13 +82,20 @@ class OuterSync:
             self.take_anchors()
 
     def step_ended(self) -> None:
-        """An inner optimizer step ended: every ``sync_every``-th one is followed by the outer step. Collective over
-        the replica group."""
+        """An inner optimizer step ended: every ``sync_every``-th one is followed by the outer step (with fragments:
+        a fragment is sent, and one applies, on their steps of [Note: streaming fragments] in fragments.py).
+        Collective over the replica group."""
         if self.anchors is None:  # a step nobody heard begin (cannot happen through the watch; kept safe)
             self.take_anchors()
         self.steps += 1
+        count = len(self.fragments)
+        sent = sent_after(self.steps, self.sync_every, count, self.delay)
+        if sent is not None:
+            self.send(sent)
+        if self.in_flight is not None and self.steps == applies_after(self.in_flight.fragment, self.sync_every, count):
+            self.apply()
         if self.steps >= self.sync_every:
-            self.sync()
+            self.steps = 0
 
     def buffers(self) -> List[Tensor]:
         """What the outer loop keeps (model-state accounting): the anchors and the outer momentum."""
@@ -83,50 +106,79 @@ class OuterSync:
 
     # -- the outer step ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def pseudo_gradient(self) -> Tensor:
-        """``anchor - master`` of every master, in one fp32 flat (this rank's contribution)."""
+    def pseudo_gradient(self, which: List[int]) -> Tensor:
+        """``anchor - master`` of the masters ``which``, in one fp32 flat (this rank's contribution)."""
         assert self.anchors is not None
-        return torch.cat([(a - m.float()).reshape(-1) for a, m in zip(self.anchors, self.masters)])
+        return torch.cat([(self.anchors[i] - self.masters[i].float()).reshape(-1) for i in which])
 
     @torch.no_grad()
-    def average(self, flat: Tensor) -> Tensor:
-        """The mean of ``flat`` over the replica group, in place (int8 blocks with ``quantize_gradients``)."""
+    def average(self, flat: Tensor, async_op: bool = False) -> Average:
+        """The mean of ``flat`` over the replica group, in place (int8 blocks with ``quantize_gradients``), made
+        by the returned ``Average``'s ``wait()``; ``async_op``: still in flight until then."""
         group, r = self.topo.replica_group, self.topo.layout.replicas
+        work = None
         if r > 1:
             if self.quantize:
-                quantized.quantized_all_reduce(flat, group, self.block_size, log=self.log, group_name="replicate",
-                                               kernels=self.kernels)
+                work = quantized.quantized_all_reduce(flat, group, self.block_size, async_op=async_op, log=self.log,
+                                                      group_name="replicate", kernels=self.kernels)
             else:
-                collectives.all_reduce_sum(flat, group, log=self.log, group_name="replicate")
-            flat.mul_(1.0 / r)
-        return flat
+                work = collectives.all_reduce_sum(flat, group, async_op=async_op, log=self.log, group_name="replicate")
+        return Average(flat, work, r, self.log)
 
     @torch.no_grad()
-    def sync(self) -> None:
-        """[Note: the outer step on shards]: average the pseudo-gradients, step the anchors, copy them in."""
-        assert self.anchors is not None and self.optimizer is not None
-        flat = self.average(self.pseudo_gradient())
-        for a, g in zip(self.anchors, flat.split([a.numel() for a in self.anchors])):
+    def send(self, fragment: int) -> None:
+        """Fragment ``fragment``'s pseudo-gradient into its average over the replica group (in flight with a delay)."""
+        assert self.in_flight is None, "a fragment is still in flight"  # sync_delay < sync_every / sync_fragments
+        flat = self.pseudo_gradient(self.fragments[fragment])
+        self.in_flight = InFlight(fragment, self.average(flat, async_op=self.delay > 0))
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """[Note: the outer step on shards] for the fragment in flight: its average waited for, its anchors stepped
+        and copied into its masters (merged with them by ``fragment_mixing``: [Note: streaming fragments])."""
+        assert self.anchors is not None and self.optimizer is not None and self.in_flight is not None
+        fragment, average = self.in_flight
+        self.in_flight = None
+        which = self.fragments[fragment]
+        anchors = [self.anchors[i] for i in which]
+        for a, g in zip(anchors, average.wait().split([a.numel() for a in anchors])):
             a.grad = g.view_as(a)
-        self.optimizer.step()
-        for a, m in zip(self.anchors, self.masters):
+        self.optimizer.step()  # SGD steps only the anchors with a gradient: this fragment's
+        for i, a in zip(which, anchors):
             a.grad = None
-            m.copy_(a)
-        self.steps = 0
+            m = self.masters[i]
+            m.copy_(torch.lerp(a, m.float(), self.mixing) if self.mixing else a)
         self.outer_steps += 1
+
+    def settle(self) -> None:
+        """Waits for the fragment in flight, if any (it still applies at its step): before a save or a teardown."""
+        if self.in_flight is not None:
+            self.in_flight.average.wait()
+
+    def drop_unfinished(self) -> None:
+        """After an exception (no collective: a peer may be gone): a fragment still in flight is dropped unwaited."""
+        if self.in_flight is not None and not self.in_flight.average.done:
+            collectives.abandon(self.in_flight.average.work)
+            self.in_flight = None
 
     # -- checkpoints ------------------------------------------------------------------------------------
     def state(self) -> Dict[str, Any]:
-        """What resumes the outer loop: the anchors, the outer momentum, the inner steps since the last sync (the
-        anchors taken now if no step took them yet)."""
+        """What resumes the outer loop: the anchors, the outer momentum, the inner steps into the window, the outer
+        steps, the fragment in flight (-1: none) and its average, waited for here (the anchors taken now if no step
+        took them yet)."""
         if self.anchors is None:
             self.take_anchors()
         assert self.optimizer is not None
+        self.settle()
         momentum = [self.optimizer.state.get(a, {}).get("momentum_buffer") for a in self.anchors]
-        return {"anchors": list(self.anchors),
-                "momentum": [torch.zeros_like(a) if m is None else m for a, m in zip(self.anchors, momentum)],
-                "has_momentum": torch.tensor([m is not None for m in momentum]),
-                "steps": torch.tensor([self.steps, self.outer_steps], dtype=torch.int64)}
+        pending = -1 if self.in_flight is None else self.in_flight.fragment
+        out = {"anchors": list(self.anchors),
+               "momentum": [torch.zeros_like(a) if m is None else m for a, m in zip(self.anchors, momentum)],
+               "has_momentum": torch.tensor([m is not None for m in momentum]),
+               "steps": torch.tensor([self.steps, self.outer_steps, pending], dtype=torch.int64)}
+        if self.in_flight is not None:
+            out["in_flight"] = self.in_flight.average.wait()
+        return out
 
     @torch.no_grad()
     def load_state(self, state: Dict[str, Any]) -> None:
@@ -141,4 +193,9 @@ class OuterSync:
         for a, m, has in zip(self.anchors, state["momentum"], state["has_momentum"].tolist()):
             if has:
                 self.optimizer.state[a]["momentum_buffer"] = m.detach().float().clone().view_as(a)
-        self.steps, self.outer_steps = (int(v) for v in state["steps"].tolist())
+        steps = [int(v) for v in state["steps"].tolist()]
+        self.steps, self.outer_steps = steps[:2]
+        pending = steps[2] if len(steps) > 2 else -1  # (saved before fragments: none in flight)
+        self.settle()
+        self.in_flight = None if pending < 0 else \
+            InFlight(pending, Average.of(state["in_flight"].detach().float().clone().reshape(-1)))

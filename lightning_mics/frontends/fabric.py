@@ -44,7 +44,8 @@ from lightning_mics.frontends import shared
 from lightning_mics.frontends.precision import sharded_scaler
 from lightning_mics.frontends import reliability
 from lightning_mics.frontends.fault_tolerance.groups import FaultTolerance, check_environment
-from lightning_mics.options import MiCSOptions, config_from, with_options_signature
+from lightning_mics.frontends.keywords import config_from, with_options_signature
+from lightning_mics.options import MiCSOptions
 from lightning_mics.layout.materialize import has_meta
 from lightning_mics.engine.engine import MiCSEngine
 from lightning_mics.layout.sharding import resolve_classes

@@ -405,6 +405,8 @@ def finish(engine: MiCSEngine, options: MiCSOptions, optimizers: Sequence[torch.
     """End of a run: a model that fits is made plain again (collective); a larger one, one with tensor
     parallelism, or any after a failure (no collective: a peer may be gone) stays sharded with every unit
     released. Returns True when it stays sharded (the engine stays, for checkpoints and state dicts)."""
+    if not failed and engine.outer is not None:
+        engine.outer.settle()  # a DiLoCo fragment in flight lands ([Note: streaming fragments] in engine/fragments.py)
     if failed or not fits_whole(engine, options):
         if not failed:
             engine.release_idle()  # the last step's optimizer rows land ([Note: rows when a run ends])

@@ -41,7 +41,8 @@ from lightning_mics.frontends import trainer_checkpoint
 from lightning_mics.frontends import weight_averaging
 from lightning_mics.frontends.fault_tolerance.groups import FaultTolerance, check_environment
 from lightning_mics.frontends.fault_tolerance import trainer_quorum
-from lightning_mics.options import MiCSOptions, config_from, with_options_signature
+from lightning_mics.frontends.keywords import config_from, with_options_signature
+from lightning_mics.options import MiCSOptions
 from lightning_mics.frontends.precision import to_mics_precision
 from lightning_mics.layout.materialize import has_meta
 from lightning_mics.engine.engine import MiCSEngine

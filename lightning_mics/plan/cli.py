@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--replica-sync", choices=("exact", "diloco"),
                     help="diloco: the replica groups train apart and sync every --sync-every steps")
     ap.add_argument("--sync-every", type=int, help="DiLoCo's H: optimizer steps between outer syncs")
+    ap.add_argument("--sync-fragments", type=int, help="streaming DiLoCo's F: one fragment synced every H / F steps")
     ap.add_argument("--headroom", type=float)
     ap.add_argument("--png", help="write the chart of memory per GPU against s here")
     return ap

@@ -38,7 +38,9 @@ With ``replica_sync="diloco"`` ([Note: DiLoCo across replica groups] in options.
 traffic: the unit buckets' replica all-reduce is gone and the replicated parameters' all-reduce runs on the shard
 group. Every ``sync_every`` steps one all-reduce on the replica group carries each rank's masters' pseudo-gradient
 (its flat shards and replicated parameters, fp32, or int8 blocks with ``quantize_gradients``); the replica link's
-bytes and the step's seconds are the window's mean. The anchors (fp32) and the outer momentum count as optimizer
+bytes and the step's seconds are the window's mean. With ``sync_fragments`` F one fragment's all-reduce runs every H / F
+steps ([Note: streaming fragments] in engine/fragments.py, the engine's cut of the units): one sync is the largest
+fragment's, the window's mean the same as F = 1's. The anchors (fp32) and the outer momentum count as optimizer
 state. A degree with one replica group is not planned.
 
 [Note: planner quantized traffic]
@@ -78,6 +80,7 @@ from lightning_mics.layout.placement import Rows
 from lightning_mics.plan.models import ModelSpec, ParamShape, UnitShapes
 from lightning_mics.plan.settings import GiB, OPTIMIZER_STATES, Settings, _fail
 from lightning_mics.comm.quantized import chunk_numel, feedback_numel, wire_bytes
+from lightning_mics.engine.fragments import split_units
 from lightning_mics.engine.replicated import DDP_BUCKET_BYTES
 from lightning_mics.layout.sharding import stays_replicated
 from lightning_mics.layout.topology import plan_layout
@@ -315,14 +318,30 @@ def _outer_numel(units: List[_Unit]) -> int:
     return sum((u.shard_numel if u.sharded else 0) + sum(math.prod(p.shape) for p in u.replicated) for u in units)
 
 
-def outer_sync_comm(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, int]]:
-    """DiLoCo's outer sync ([Note: planner DiLoCo]): one all-reduce of the pseudo-gradients on the replica group."""
+def outer_syncs(spec: ModelSpec, st: Settings, s: int) -> List[Dict[str, Dict[str, int]]]:
+    """DiLoCo's outer syncs of one window ([Note: planner DiLoCo]): per fragment (one without ``sync_fragments``),
+    one all-reduce of its pseudo-gradients on the replica group."""
     r = st.dp_world // s
     if st.replica_sync != "diloco" or r == 1:
-        return {}
-    n = _outer_numel(_split(spec.units, st, s, 0))
-    nbytes = wire_bytes(n, r, st.quantization_block_size) if st.quantize_gradients else n * 4
-    return {"all_reduce/replicate": {"bytes": nbytes, "calls": 1}}
+        return []
+    units = [u for u in _split(spec.units, st, s, 0) if u.sharded or u.replicated]
+    runs = split_units([u.full_numel + sum(math.prod(p.shape) for p in u.replicated) for u in units],
+                       st.sync_fragments)
+    out = []
+    for run in runs:
+        n = _outer_numel([units[i] for i in run])
+        nbytes = wire_bytes(n, r, st.quantization_block_size) if st.quantize_gradients else n * 4
+        out.append({"all_reduce/replicate": {"bytes": nbytes, "calls": 1}})
+    return out
+
+
+def outer_sync_comm(spec: ModelSpec, st: Settings, s: int) -> Dict[str, Dict[str, int]]:
+    """One outer sync's collectives: the whole shard's, or the largest fragment's ([Note: planner DiLoCo])."""
+    return _largest(outer_syncs(spec, st, s))
+
+
+def _largest(syncs: List[Dict[str, Dict[str, int]]]) -> Dict[str, Dict[str, int]]:
+    return max(syncs, key=lambda c: c["all_reduce/replicate"]["bytes"]) if syncs else {}
 
 
 def _gathered_peak(units: List[_Unit], st: Settings) -> int:
@@ -391,14 +410,15 @@ def estimate(spec: ModelSpec, st: Settings, s: int) -> Estimate:
     links = {k: 0 for k in LINKS}
     for key, e in comm.items():
         links[_link_of(key, st, group)] += e["bytes"]
-    sync = outer_sync_comm(spec, st, s)  # DiLoCo: once per sync_every steps, counted as its mean per step
-    for key, e in sync.items():
+    syncs = outer_syncs(spec, st, s)  # DiLoCo: each once per sync_every steps, counted as their mean per step
+    for key, e in ((k, e) for sync in syncs for k, e in sync.items()):
         links[_link_of(key, st, group)] += e["bytes"] // st.sync_every
-    seconds = _seconds(comm, st, group) + _seconds(sync, st, group) / st.sync_every
+    seconds = _seconds(comm, st, group) + sum(_seconds(sync, st, group) for sync in syncs) / st.sync_every
     budget = int(st.gpu_memory_gib * GiB * (1 - st.headroom))
     held = 0 if _zero1(st, s) else peak * gathered  # pinned parameters are model state already
     return Estimate(s, st.tensor_parallel_degree, st.dp_world // s, state, activation_bytes(spec, st), peak,
-                    held, buffers, comm, links, seconds, budget, sync)
+                    held, buffers, comm, links, seconds, budget,
+                    _largest(syncs))
 
 
 def degrees_to_plan(st: Settings, degrees: Optional[Sequence[int]] = None) -> List[int]:

@@ -100,9 +100,13 @@ class Plan:
                        f"{rec.comm_seconds:.3g} s predicted without overlap.")
             if st.replica_sync == "diloco":  # [Note: planner DiLoCo] in estimate.py
                 sync = rec.outer_sync.get("all_reduce/replicate", {"bytes": 0})["bytes"]
+                f, every = st.sync_fragments, st.sync_every // st.sync_fragments
                 traffic += (f" DiLoCo (sync_every={st.sync_every}): no replica traffic inside a window, one outer "
                             f"all-reduce of {sync / 1e9:.3g} GB every {st.sync_every} steps, counted as its mean "
-                            "per step above; it is not exact data parallelism.")
+                            "per step above; it is not exact data parallelism.") if f == 1 else \
+                    (f" Streaming DiLoCo (sync_every={st.sync_every}, sync_fragments={f}): one fragment's all-reduce "
+                     f"(at most {sync / 1e9:.3g} GB) every {every} steps, counted as their mean per step above; it "
+                     "is not exact data parallelism.")
             if rec.s == 1 and st.shard_optimizer_state:
                 out.append("At s=1 with shard_optimizer_state every GPU holds the whole parameters and gradients "
                            "and 1/W of the optimizer state (ZeRO-1): no per-layer collectives, one reduce-scatter "

@@ -38,7 +38,7 @@ _DEFAULTS = MiCSOptions()  # the strategy's defaults ([Note: one option list] in
 _STRATEGY_OPTIONS = ("prefetch", "max_live_parameters", "param_persistence_threshold", "reduce_bucket_size",
                      "param_dtype", "reduce_dtype", "shard_optimizer_state", "quantize_gradients",
                      "tensor_parallel_degree", "replica_sync", "sync_every", "outer_lr", "outer_momentum",
-                     "outer_nesterov")
+                     "outer_nesterov", "sync_fragments", "sync_delay")
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -92,6 +92,8 @@ class Settings:
     outer_lr: float = _strategy_default("outer_lr")
     outer_momentum: float = _strategy_default("outer_momentum")
     outer_nesterov: bool = _strategy_default("outer_nesterov")
+    sync_fragments: int = _strategy_default("sync_fragments")  # streaming: one sync moves one fragment's bytes
+    sync_delay: int = _strategy_default("sync_delay")  # (checked; the seconds do not model its overlap)
     headroom: float = 0.10
 
     def __post_init__(self) -> None:

@@ -20,7 +20,12 @@ def test_run_names_become_the_main_jobs_overrides():
     assert run[len(base):] == ["strategy.replica_sync=diloco", "strategy.sync_every=16",
                                "strategy.quantize_gradients=true", "strategy.outer_lr=1.0",
                                "strategy.outer_momentum=0.0", "strategy.outer_nesterov=false"]
-    for bad in ("diloco", "diloco:x", "diloco:4:fp8", "local:4"):
+    run = quality.overrides("diloco:16:fragments=4:delay=1:mixing=0.5", 96, 32)
+    assert run[len(base):] == ["strategy.replica_sync=diloco", "strategy.sync_every=16", "strategy.sync_fragments=4",
+                               "strategy.sync_delay=1", "strategy.fragment_mixing=0.5"]
+    assert quality.syncs("diloco:16:fragments=4:delay=1", 96) == 24  # one fragment's all-reduce every 4 steps
+    for bad in ("diloco", "diloco:x", "diloco:4:fp8", "local:4", "diloco:4:fragments=", "diloco:4:fragments=two",
+                "diloco:4:delay=0.5"):
         with pytest.raises(SystemExit):
             quality.overrides(bad, 96, 32)
 

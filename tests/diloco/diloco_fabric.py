@@ -5,6 +5,9 @@
 - ``loop``: the run's parameters (rank 0 also the single-process simulation of diloco_ranks.py);
 - ``resumed``: the same loop saved with ``fabric.save`` after step 3 (inside a window), loaded into a new model and
   optimizer with ``fabric.load`` and run to step 4.
+
+Once for each of ``VARIANTS``: ``window`` (H = 2) and ``streaming`` (H = 4, two fragments, a delay of one step,
+fragment_mixing 0.5: fragment 1 is in flight at the save, sent after step 3 and applied after step 4).
 """
 
 import argparse
@@ -25,7 +28,9 @@ import lightning_mics.fabric as mics_fabric  # noqa: E402
 from tests.diloco.diloco_ranks import build, data, inner_optimizer, rank_batches, simulate  # noqa: E402
 
 STEPS, ACCUM, BATCH, CLIP = 4, 2, 4, 0.05
-VARIANT = {"steps": STEPS, "accum": ACCUM, "clip": CLIP, "replica_sync": "diloco", "sync_every": 2}
+WINDOW = {"replica_sync": "diloco", "sync_every": 2}
+VARIANTS = {"window": WINDOW, "streaming": dict(WINDOW, sync_every=4, sync_fragments=2, sync_delay=1,
+                                                fragment_mixing=0.5)}
 
 
 def steps(fabric, model, opt, x, y, rank, world, first, last):
@@ -51,11 +56,17 @@ def main():
     args = ap.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     x, y = data(world, BATCH, STEPS, ACCUM)
-    strategy = mics_fabric.MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=20,
-                                        replica_sync="diloco", sync_every=2)
+    result = {"rank": rank}
+    for name, options in VARIANTS.items():
+        result[name] = run(args, world, rank, x, y, name, options)
+    (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+
+
+def run(args, world, rank, x, y, name, options):
+    strategy = mics_fabric.MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=20, **options)
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy)
     fabric.launch()
-    result = {"rank": rank}
+    result = {}
     model = fabric.setup_module(build())
     opt = fabric.setup_optimizers(inner_optimizer(model.parameters()))
     steps(fabric, model, opt, x, y, rank, world, 0, STEPS)
@@ -63,7 +74,7 @@ def main():
     model = fabric.setup_module(build())
     opt = fabric.setup_optimizers(inner_optimizer(model.parameters()))
     steps(fabric, model, opt, x, y, rank, world, 0, 3)
-    path = Path(args.out) / "fabric.ckpt"
+    path = Path(args.out) / f"{name}.ckpt"
     fabric.save(path, {"model": model, "optimizer": opt, "step": 3})
     model = fabric.setup_module(build())
     opt = fabric.setup_optimizers(inner_optimizer(model.parameters()))
@@ -72,8 +83,8 @@ def main():
     result["resumed"] = params(fabric, model)
     if rank == 0:
         groups = [list(range(g * 2, (g + 1) * 2)) for g in range(world // 2)]
-        result["sim"] = simulate(VARIANT, world, BATCH, x, y, groups)
-    (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
+        result["sim"] = simulate(dict(options, steps=STEPS, accum=ACCUM, clip=CLIP), world, BATCH, x, y, groups)
+    return result
 
 
 if __name__ == "__main__":

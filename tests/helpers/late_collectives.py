@@ -18,7 +18,7 @@ import contextlib
 import queue
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -88,11 +88,12 @@ class _Lane:
 class LateCollectives(TorchDispatchMode):
     """``with LateCollectives(0.05): ...``: every async c10d collective issued inside runs 50 ms late
     ([Note: late collectives]); a blocking one (``async_op=False``) runs in its group's order without the pause.
-    ``issued`` counts the ops delayed, per c10d name."""
+    ``issued`` counts the ops delayed, per c10d name. ``extra``: more delay for the async ops of some groups, by
+    their ranks (a slow link: an op in flight there outlasts the other groups' steps)."""
 
-    def __init__(self, delay: float) -> None:
+    def __init__(self, delay: float, extra: Optional[Dict[Tuple[int, ...], float]] = None) -> None:
         super().__init__()
-        self.delay = delay
+        self.delay, self.extra = delay, dict(extra or {})
         self.lanes: Dict[str, _Lane] = {}
         self.issued: Dict[str, int] = {}
         self._lock = threading.Lock()
@@ -119,7 +120,8 @@ class LateCollectives(TorchDispatchMode):
         arg_names = [a.name for a in func._schema.arguments]
         is_async = kwargs.get("async_op", args[arg_names.index("async_op")] if "async_op" in arg_names
                               and len(args) > arg_names.index("async_op") else True)
-        due = time.perf_counter() + (self.delay if is_async else 0.0)
+        slower = self.extra.get(tuple(dist.get_process_group_ranks(group)), 0.0) if self.extra else 0.0
+        due = time.perf_counter() + (self.delay + slower if is_async else 0.0)
         if is_async:
             self.issued[name] = self.issued.get(name, 0) + 1
 

@@ -174,6 +174,23 @@ ROWS = [
      ["fault_tolerance=True", "allowed is False with replica_sync='diloco'"]),
     ("diloco-tensor-parallel", BOTH, dict(replica_sync="diloco", tensor_parallel_degree=2), {},
      ["tensor_parallel_degree=2", "allowed is 1 with replica_sync='diloco'"]),
+    ("exact-with-fragments", BOTH, dict(sync_fragments=2), {}, ["sync_fragments=2", "the default 1 unless replica_sync"]),
+    ("exact-with-delay", BOTH, dict(sync_delay=1), {}, ["sync_delay=1", "the default 0 unless replica_sync"]),
+    ("exact-with-mixing", BOTH, dict(fragment_mixing=0.5), {}, ["fragment_mixing=0.5", "the default 0.0 unless"]),
+    ("fragments-zero", BOTH, dict(replica_sync="diloco", sync_fragments=0), {},
+     ["sync_fragments=0", "allowed is an integer >= 1"]),
+    ("fragments-not-dividing", BOTH, dict(replica_sync="diloco", sync_every=16, sync_fragments=3), {},
+     ["sync_fragments=3", "allowed is a divisor of sync_every=16"]),
+    ("delay-negative", BOTH, dict(replica_sync="diloco", sync_delay=-1), {}, ["sync_delay=-1", "an integer >= 0"]),
+    ("delay-float", BOTH, dict(replica_sync="diloco", sync_delay=0.5), {}, ["sync_delay=0.5", "an integer >= 0"]),
+    ("delay-a-whole-period", BOTH, dict(replica_sync="diloco", sync_every=16, sync_fragments=4, sync_delay=4), {},
+     ["sync_delay=4", "allowed is an integer in [0, 3]: less than sync_every / sync_fragments = 4"]),
+    ("delay-without-fragments", BOTH, dict(replica_sync="diloco", sync_every=2, sync_delay=2), {},
+     ["sync_delay=2", "allowed is an integer in [0, 1]"]),
+    ("mixing-above-one", BOTH, dict(replica_sync="diloco", fragment_mixing=1.5), {},
+     ["fragment_mixing=1.5", "allowed is a number in [0, 1]"]),
+    ("mixing-bool", BOTH, dict(replica_sync="diloco", fragment_mixing=True), {},
+     ["fragment_mixing=True", "allowed is a number in [0, 1]"]),
     ("diloco-one-replica", TRAINER, dict(replica_sync="diloco", sharded_data_parallel_degree=4), dict(devices=4),
      ["replica_sync='diloco'", "allowed is 'exact' with sharded_data_parallel_degree=4 and one replica group"]),
     ("fabric-diloco-one-replica", FABRIC, dict(replica_sync="diloco", sharded_data_parallel_degree=2), dict(devices=2),
@@ -228,6 +245,8 @@ def test_refused_naming_option_value_and_allowed(kind, options, around, expected
     dict(replica_sync="diloco"),  # the outer defaults: H = 16, Nesterov SGD at lr 0.7, momentum 0.9
     dict(replica_sync="diloco", sync_every=1, outer_lr=1, outer_momentum=0, outer_nesterov=False),
     dict(replica_sync="diloco", quantize_gradients=True),
+    dict(replica_sync="diloco", sync_every=16, sync_fragments=4, sync_delay=3, fragment_mixing=1, quantize_gradients=True),
+    dict(replica_sync="diloco", sync_every=4, sync_delay=3, fragment_mixing=0.5),  # one fragment, overlapped
 ])
 def test_accepted(options):
     MiCSStrategy(**options)

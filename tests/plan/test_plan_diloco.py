@@ -106,3 +106,23 @@ def test_exact_sync_plans_as_before_and_one_replica_group_is_refused():
         degrees_to_plan(diloco, [4])
     with pytest.raises(ValueError, match="sync_every=0"):
         Settings(nodes=1, gpus_per_node=4, replica_sync="diloco", sync_every=0)
+
+
+def test_streaming_fragments_plan_one_fragment_per_sync():
+    """With ``sync_fragments`` F ([Note: planner DiLoCo]): one sync is the largest fragment's all-reduce (the engine's
+    cut of the units, [Note: streaming fragments] in engine/fragments.py), the fragments together are the whole shard's,
+    and the mean per step is F = 1's up to rounding. The cut is the one a real fit makes (tests/diloco checks the
+    engine's fragments and their bytes on the dispatcher)."""
+    from lightning_mics.plan.estimate import outer_syncs
+
+    spec = lightning_mics.plan("llama-2-7b", nodes=2, gpus_per_node=8, degrees=[8]).model
+    whole = Settings(nodes=2, gpus_per_node=8, replica_sync="diloco", sync_every=16)
+    parts = Settings(nodes=2, gpus_per_node=8, replica_sync="diloco", sync_every=16, sync_fragments=4, sync_delay=3)
+    total = outer_sync_comm(spec, whole, 8)["all_reduce/replicate"]["bytes"]
+    frags = [c["all_reduce/replicate"]["bytes"] for c in outer_syncs(spec, parts, 8)]
+    assert len(frags) == 4 and sum(frags) == total
+    assert outer_sync_comm(spec, parts, 8)["all_reduce/replicate"]["bytes"] == max(frags) <= 0.3 * total
+    a, b = estimate(spec, whole, 8).link_bytes["replica"], estimate(spec, parts, 8).link_bytes["replica"]
+    assert abs(a - b) <= 4
+    with pytest.raises(ValueError, match="sync_delay=4"):
+        Settings(nodes=2, gpus_per_node=8, replica_sync="diloco", sync_every=16, sync_fragments=4, sync_delay=4)
