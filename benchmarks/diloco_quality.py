@@ -105,7 +105,8 @@ def table(runs: List[str], reports: Dict[str, Dict]) -> str:
 
 
 def plot(runs: List[str], reports: Dict[str, Dict], path: Path) -> None:
-    """Validation loss against tokens, a line per run; exact sync in black, int8 runs dashed, one colour per H."""
+    """Validation loss against tokens, a line per run; exact sync in black, one colour per H; int8 dashed, streaming
+    dotted (both: dash-dot)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,9 +122,10 @@ def plot(runs: List[str], reports: Dict[str, Dict], path: Path) -> None:
         if run == "exact":
             ax.plot(xs, ys, color="k", lw=2, marker="o", label="exact sync")
             continue
-        h = int(run.split(":")[1])
-        ax.plot(xs, ys, color=f"C{every.index(h)}", ls="--" if "int8" in run.split(":") else "-",
-                marker=".", label=run)
+        parts = run.split(":")
+        int8, streaming = "int8" in parts, any(p.startswith("fragments=") for p in parts)
+        ax.plot(xs, ys, color=f"C{every.index(int(parts[1]))}", marker=".", label=run,
+                ls={(False, False): "-", (True, False): "--", (False, True): ":", (True, True): "-."}[int8, streaming])
     ax.set_xlabel("tokens, millions (all ranks)")
     ax.set_ylabel("validation loss")
     ax.set_title("DiLoCo across 2 replica groups (4 ranks, s = 2): loss at equal tokens")
