@@ -10,11 +10,19 @@ their gradient; the anchors are then copied into the masters. Invariant: after e
 anchor on every replica group, and the anchor and the outer momentum are the same on every rank of a replica group
 (the same inputs, the same fp32 ops). Between outer steps the anchor is untouched. The sync runs at the end of every
 ``sync_every``-th optimizer step the engine hears of, before the schedule refreshes what stays gathered.
+
+[Note: an outer step not taken]
+With ``across`` set (fault tolerance: the replica groups are torchrun jobs averaged through torchft's manager), a
+sync ends with the manager's commit decision. When it is False (a group of the quorum failed in the average), this
+group applies no outer step: its masters are set back to the anchors (the last committed sync's model, as torchft's
+DiLoCo restores its original parameters), the anchors and the outer momentum stay as they were, the inner
+optimizer keeps its state, and the window's inner steps stay taken by the loop (its step count, the data it read):
+the window is dropped, not retried. ``outer_steps`` counts committed syncs only, ``dropped`` the others.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -23,6 +31,18 @@ from lightning_mics.comm import collectives, quantized
 from lightning_mics.comm.telemetry import CommLog
 from lightning_mics.layout.topology import Topology
 from lightning_mics.engine.unit import Unit
+
+
+class Across(Protocol):
+    """The average across replica groups beyond this engine's world ([Note: DiLoCo across fault-tolerant groups] in
+    frontends/fault_tolerance/groups.py): ``quorum`` before the pseudo-gradients are taken (it may replace this
+    rank's state with a live peer's, in place), ``average`` of one flat fp32 buffer in place, ``commit``."""
+
+    def quorum(self) -> None: ...
+
+    def average(self, flat: Tensor) -> None: ...
+
+    def commit(self) -> bool: ...
 
 
 class OuterSync:
@@ -46,6 +66,8 @@ class OuterSync:
         self.optimizer: Optional[torch.optim.SGD] = None
         self.steps = 0  # inner optimizer steps since the last outer step
         self.outer_steps = 0
+        self.across: Optional[Across] = None  # the front end's, under fault tolerance (else the replica group's)
+        self.dropped = 0  # syncs not committed ([Note: an outer step not taken])
         self.loaded_inner: Optional[Dict[str, Any]] = None  # a load's inner optimizer state, until the optimizers load
 
     # -- the anchor -------------------------------------------------------------------------------------
@@ -90,9 +112,12 @@ class OuterSync:
 
     @torch.no_grad()
     def average(self, flat: Tensor) -> Tensor:
-        """The mean of ``flat`` over the replica group, in place (int8 blocks with ``quantize_gradients``)."""
+        """The mean of ``flat`` over the replica group, in place (int8 blocks with ``quantize_gradients``); over the
+        quorum's groups through ``across`` when set."""
         group, r = self.topo.replica_group, self.topo.layout.replicas
-        if r > 1:
+        if self.across is not None:
+            self.across.average(flat)
+        elif r > 1:
             if self.quantize:
                 quantized.quantized_all_reduce(flat, group, self.block_size, log=self.log, group_name="replicate",
                                                kernels=self.kernels)
@@ -104,8 +129,15 @@ class OuterSync:
     @torch.no_grad()
     def sync(self) -> None:
         """[Note: the outer step on shards]: average the pseudo-gradients, step the anchors, copy them in."""
+        if self.across is not None:
+            self.across.quorum()  # a peer's state, if taken, is in place before the pseudo-gradients
         assert self.anchors is not None and self.optimizer is not None
         flat = self.average(self.pseudo_gradient())
+        if self.across is not None and not self.across.commit():  # [Note: an outer step not taken]
+            for a, m in zip(self.anchors, self.masters):
+                m.copy_(a)
+            self.steps, self.dropped = 0, self.dropped + 1
+            return
         for a, g in zip(self.anchors, flat.split([a.numel() for a in self.anchors])):
             a.grad = g.view_as(a)
         self.optimizer.step()

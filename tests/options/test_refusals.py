@@ -170,8 +170,11 @@ ROWS = [
      ["shard_optimizer_state=True", "allowed is False with replica_sync='diloco'"]),
     ("diloco-error-feedback", BOTH, dict(replica_sync="diloco", quantize_gradients="error_feedback"), {},
      ["quantize_gradients='error_feedback'", "allowed is False or True with replica_sync='diloco'"]),
-    ("diloco-fault-tolerance", BOTH, dict(replica_sync="diloco", fault_tolerance=True), {},
-     ["fault_tolerance=True", "allowed is False with replica_sync='diloco'"]),
+    # DiLoCo under fault tolerance runs under the Trainer; what it leaves out
+    ("fabric-diloco-fault-tolerance", FABRIC_INIT, dict(replica_sync="diloco", fault_tolerance=True), {},
+     ["replica_sync='diloco'", "allowed is 'exact' with fault_tolerance=True under Fabric"]),
+    ("diloco-fault-tolerance-int8", BOTH, dict(replica_sync="diloco", fault_tolerance=True, quantize_gradients=True),
+     {}, ["quantize_gradients=True", "allowed is False with fault_tolerance=True"]),
     ("diloco-tensor-parallel", BOTH, dict(replica_sync="diloco", tensor_parallel_degree=2), {},
      ["tensor_parallel_degree=2", "allowed is 1 with replica_sync='diloco'"]),
     ("diloco-one-replica", TRAINER, dict(replica_sync="diloco", sharded_data_parallel_degree=4), dict(devices=4),
