@@ -112,6 +112,10 @@ class Record(L.Callback):
                     "quorum": log.participants[-1] if log and log.participants else None,
                     "committed": log.committed[-1] if log and log.committed else True,
                     "committed_steps": ft.step_count if ft is not None else trainer.global_step}
+            outer = trainer.strategy.engine.outer
+            if outer is not None:  # DiLoCo: rank 0's masters and anchors (sums), the syncs not taken
+                line.update(masters=sum(m.double().sum().item() for m in outer.masters), dropped=outer.dropped,
+                            anchors=sum(a.double().sum().item() for a in outer.anchors or []))
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         ft = trainer.strategy.fault_tolerance
@@ -136,8 +140,8 @@ class CrossTraffic(L.Callback):
     """Under fault tolerance, every call this group makes to torchft's Manager that crosses the groups (its quorum,
     its allreduce), with the loop's batch at the call (-1: before the first), counted on the Manager itself."""
 
-    def __init__(self):
-        self.events = []
+    def __init__(self, error_at=None):
+        self.events, self.error_at = [], error_at
 
     def on_fit_start(self, trainer, pl_module):
         ft = trainer.strategy.fault_tolerance
@@ -149,7 +153,11 @@ class CrossTraffic(L.Callback):
             def call(*a, **k):
                 numel = a[0].numel() if a and isinstance(a[0], torch.Tensor) else 0
                 self.events.append([progress.ready - 1, name, numel])
-                return fn(*a, **k)
+                calls = sum(1 for e in self.events if e[1] == name)
+                out = fn(*a, **k)
+                if name == "allreduce" and calls == self.error_at and trainer.global_rank == 0:
+                    manager.report_error(RuntimeError("an error the test reports"))  # once the average is sent
+                return out
             return call
 
         manager.start_quorum = counted("quorum", manager.start_quorum)
@@ -164,7 +172,7 @@ def strategy_options(args):
 
 def run_trainer(args, tag):
     record = str(Path(args.out) / f"{tag}_steps.jsonl") if args.record else None
-    traffic = CrossTraffic()
+    traffic = CrossTraffic(args.error_at)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         num_nodes=args.num_nodes, strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
                         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
@@ -243,6 +251,8 @@ def main():
     ap.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps after each step")
     ap.add_argument("--pause-alone", type=float, default=None, help="the pause while the quorum is this group alone")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--error-at", type=int, default=None, help="rank 0 reports an error to torchft's Manager at "
+                    "its n-th allreduce (the step is then not committed on this group)")
     ap.add_argument("--hold", type=int, default=None, help="rank 0 sleeps 120 s after this step (to be killed there)")
     ap.add_argument("--resumable", action="store_true")
     ap.add_argument("--fabric-data", action="store_true", help="--mode plain: the Fabric loop's batches")

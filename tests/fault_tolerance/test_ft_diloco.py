@@ -6,6 +6,8 @@ launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank
   tolerance (s = 2, r = 2: the job tests/diloco checks against its simulation) bit for bit;
   the groups meet only at sync steps: torchft's Manager (counted on the Manager itself) forms a quorum at the
   start and at the first batch of each later sync step, and averages one flat buffer at the end of each sync step;
+- a sync not committed on one group (an error reported to its Manager): its masters go back to the anchors, the
+  window is dropped, and at the next sync it takes its peer's state; both end bit-equal;
 - a group killed mid-window: the survivor goes on stepping and syncing alone (quorum 1), the group started again
   takes a live peer's state at a sync step and both end at the last step with bit-equal parameters.
 
@@ -62,6 +64,30 @@ def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path):
     assert [(b, op) for b, op, _ in ft0["traffic"]] == [(-1, "quorum"), (5, "allreduce"), (10, "quorum"),
                                                          (11, "allreduce")], ft0["traffic"]
     assert len(numel) == 1 and numel.pop() > 0
+
+
+def test_a_sync_not_committed_drops_the_window_and_heals_at_the_next(tmp_path):
+    """Group 0 reports an error to its Manager at its second sync (step 4, H = 2): should_commit is False there, its
+    masters equal its anchors after the step (the first sync's model), its peer commits; at step 6's first batch group
+    0 is one commit behind and takes group 1's state; both end at step 8 bit-equal."""
+    args = ["--mode", "ft", "--out", str(tmp_path), "--steps", "8", "--diloco", "2", "--opt", "sgd", "--record"]
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=2)
+        job.start(0, [*args, "--error-at", "2"], forked=True)
+        job.start(1, args, forked=True)
+        _check(job, [job.wait(g, timeout=400) for g in range(2)])
+    ra, rb = records(tmp_path / "ft0_steps.jsonl"), records(tmp_path / "ft1_steps.jsonl")
+    assert [r["committed"] for r in ra] == [True] * 3 + [False] * 2 + [True] * 3, ra  # the last decision's
+    assert all(r["committed"] for r in rb), rb
+    assert ra[3]["dropped"] == 1 and ra[3]["masters"] == ra[3]["anchors"] == ra[1]["masters"], ra[:4]
+    assert rb[3]["masters"] != ra[3]["masters"]  # group 1 took the outer step
+    ft0, ft1 = _load(tmp_path / "ft0.pt"), _load(tmp_path / "ft1.pt")
+    assert _differ(ft0, ft1) == []
+    s0, s1 = ft0["summary"], ft1["summary"]
+    assert (s0["committed"], s0["failed"], s1["committed"], s1["failed"]) == (3, 1, 4, 0), (s0, s1)
+    assert s0["committed_steps"] == s1["committed_steps"] == 4  # group 0's count came back with the heal
+    assert s0["recoveries"] >= 1 and s1["peers_healed"] >= 1, (s0, s1)
 
 
 def test_a_group_lost_mid_window_rejoins_at_a_sync(tmp_path):
