@@ -177,7 +177,8 @@ def run_trainer(args, tag):
                         num_nodes=args.num_nodes, strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
                         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Record(record, args.pause, args.pause_alone, args.hold), SaveAtEnd(args.ckpt), traffic])
+                        callbacks=[Record(record, args.pause, args.pause_alone, args.hold), SaveAtEnd(args.ckpt),
+                                   traffic])
     model = Module(args.samples, args.resumable, str(Path(args.out) / tag) if args.record else None)
     trainer.fit(model, ckpt_path=args.resume)
     import lightning_mics

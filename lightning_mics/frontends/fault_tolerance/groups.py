@@ -33,12 +33,13 @@ With ``replica_sync="diloco"`` each group's engine runs its inner steps alone (i
 and nothing crosses the groups inside a window: no quorum, no gradient average, no commit per step. The quorum is
 formed at the first batch of every ``sync_every``-th step (a group's first at ``on_train_start``, wherever its peers
 are); a group behind takes a live peer's state there, as the peer stood after its previous step: masters, inner
-optimizer state, anchors, outer momentum, steps since the sync, the loop's counters ([Note: joining at the current
-step]), so it takes that sync step on its own data. At its end ``OuterSync`` averages the pseudo-gradients (one flat
-fp32 buffer) over the quorum's groups through the manager (a lost group's survivors alone), and ``should_commit``
-decides the outer step ([Note: an outer step not taken] in outer_sync.py). Taken from torchft: the Manager, its
-quorum, allreduce, ``should_commit`` and healing; not its DiLoCo class, which walks module parameters (here: the
-engine's flat shards) and forms its quorum after the H-th step, where a joiner would take a state from mid-batch.
+optimizer state, anchors, outer momentum, steps since the sync, the loop's counters
+([Note: joining at the current step]), so it takes that sync step on its own data. At its end ``OuterSync``
+averages the pseudo-gradients (one flat fp32 buffer) over the quorum's groups through the manager (a lost group's
+survivors alone), and ``should_commit`` decides the outer step ([Note: an outer step not taken] in outer_sync.py).
+Taken from torchft: the Manager, its quorum, allreduce, ``should_commit`` and healing; not its DiLoCo class, which
+walks module parameters (here: the engine's flat shards) and forms its quorum after the H-th step, where a joiner
+would take a state from mid-batch.
 """
 
 from __future__ import annotations
