@@ -216,7 +216,7 @@ class FaultTolerance:
     def summary(self) -> Dict[str, Any]:
         """The quorum as this group saw it: steps, committed and failed, participants, recoveries."""
         return {"group": self.env.group, "groups": self.env.groups, "committed_steps": self.group.step,
-                **self.group.log.summary()}
+                "decisions": "steps" if self.outer is None else "outer syncs", **self.group.log.summary()}
 
     def shutdown(self, wait: bool = True) -> None:
         if not self._closed:
