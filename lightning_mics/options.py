@@ -25,11 +25,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "16": torch.float16,
-}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "16": torch.float16}
 _KERNELS = ("auto", "triton", "torch")
 _STATE_DICT_TYPES = ("sharded", "full")
 _DEFAULT_MAX_LIVE = 1_000_000_000
@@ -126,8 +123,9 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
 # [Note: fault-tolerant replica groups]
 # With ``fault_tolerance`` each replica group is a torchrun job of its own (its ranks are the world the strategy
 # sees) and the groups meet only through torchft's Manager: a lighthouse forms a quorum of the live groups every
-# optimizer step, the shard gradients are averaged across the quorum's groups (rank k with rank k: they hold the
-# same shard), and a step commits only if every rank of the group got through it. A layout that needs the same
+# optimizer step (with ``replica_sync="diloco"`` every ``sync_every``-th), the shard gradients (the pseudo-gradients)
+# are averaged across the quorum's groups (rank k with rank k: the same shard), and a step (the outer step) commits
+# only if every rank of the group got through it. A layout that needs the same
 # replicas on every step is refused: the optimizer's rows over replicas (``shard_optimizer_state``), int8 replica
 # traffic with its residuals (``quantize_gradients``), and a tensor-parallel axis (never run under it). The
 # front-end glue is ``frontends/fault_tolerance/groups.py``; the managed group, ``comm/managed.py``.
@@ -143,7 +141,7 @@ def check_fault_tolerance(cfg: Any) -> None:
               "groups come and go")
     if cfg.quantize_gradients is not False:
         _fail("quantize_gradients", cfg.quantize_gradients, "False with fault_tolerance=True: the cross-group "
-              "average goes through torchft's manager in the gradients' own dtype, and error-feedback residuals "
+              "average (of gradients or pseudo-gradients) goes through torchft's manager unquantized, and residuals "
               "could not follow a group that leaves or joins")
     if cfg.tensor_parallel_degree != 1:
         _fail("tensor_parallel_degree", cfg.tensor_parallel_degree, "1 with fault_tolerance=True (a tensor-parallel "
@@ -159,7 +157,8 @@ def check_fault_tolerance(cfg: Any) -> None:
 # It changes the optimization: only H = 1 with outer SGD at lr 1, no momentum, is exact data parallelism.
 # Streaming ([Note: streaming fragments] in engine/fragments.py): the units in ``sync_fragments`` fragments, one synced
 # every H / F steps, its average applied ``sync_delay`` steps after it was sent, merged by ``fragment_mixing``.
-# The engine's part is ``engine/outer_sync.py``.
+# The engine's part is ``engine/outer_sync.py``; with ``fault_tolerance`` the replica groups are torchrun jobs and
+# the average goes through torchft's manager ([Note: DiLoCo across fault-tolerant groups] in fault_tolerance/groups.py).
 def check_diloco(cfg: Any) -> None:
     """Value checks of the DiLoCo options ([Note: DiLoCo across replica groups]), before any process group."""
     if cfg.replica_sync not in REPLICA_SYNCS:
@@ -190,9 +189,6 @@ def check_diloco(cfg: Any) -> None:
     if cfg.quantize_gradients == "error_feedback":
         _fail("quantize_gradients", "error_feedback", "False or True with replica_sync='diloco' (the pseudo-gradients "
               "go in int8 blocks; error feedback on them is not built)")
-    if cfg.fault_tolerance:
-        _fail("fault_tolerance", True, "False with replica_sync='diloco' (the outer sync is not built on torchft's "
-              "manager: a group leaving or joining mid-window is not handled)")
     if cfg.tensor_parallel_degree != 1:
         _fail("tensor_parallel_degree", cfg.tensor_parallel_degree, "1 with replica_sync='diloco' (never run with a "
               "tensor-parallel axis)")
@@ -208,6 +204,9 @@ def check_fragments(cfg: Any) -> None:
     if delay >= cfg.sync_every // frags:
         _fail("sync_delay", delay, f"an integer in [0, {cfg.sync_every // frags - 1}]: less than sync_every / "
               f"sync_fragments = {cfg.sync_every // frags}, so one fragment's sync lands before the next is sent")
+    for name, value, off in (("sync_fragments", frags, 1), ("sync_delay", delay, 0)):
+        if cfg.fault_tolerance and value != off:
+            _fail(name, value, f"{off} with fault_tolerance=True (torchft's manager averages the whole shard, blocking)")
     mix = cfg.fragment_mixing
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
         _fail("fragment_mixing", mix, "a number in [0, 1] (the local parameters' weight against the synced ones)")
@@ -215,8 +214,9 @@ def check_fragments(cfg: Any) -> None:
 
 
 def check_diloco_layout(cfg: Any, s: int, r: int) -> None:
-    """DiLoCo needs several replica groups ([Note: DiLoCo across replica groups])."""
-    if cfg.replica_sync == "diloco" and r == 1:
+    """DiLoCo needs several replica groups ([Note: DiLoCo across replica groups]); under fault tolerance they are
+    the torchrun jobs beyond this world."""
+    if cfg.replica_sync == "diloco" and r == 1 and not cfg.fault_tolerance:
         _fail("replica_sync", "diloco", f"'exact' with sharded_data_parallel_degree={s} and one replica group")
 
 

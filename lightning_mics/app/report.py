@@ -285,7 +285,7 @@ def quorum_line(ft: Optional[Dict[str, Any]]) -> Optional[str]:
     """The quorum as this replica group saw it (``strategy.fault_tolerance_summary``), or None without it."""
     if not ft:
         return None
-    return (f"fault tolerance: group {ft['group']} of {ft['groups']}, {ft['steps']} steps here, {ft['committed']} "
+    return (f"fault tolerance: group {ft['group']} of {ft['groups']}, {ft['steps']} {ft.get('decisions', 'steps')} here, {ft['committed']} "
             f"committed, {ft['failed']} not taken; {ft['participants_min']}-{ft['participants_max']} groups in the "
             f"quorum, {ft['quorum_changes']} change(s); {ft['recoveries']} recovery(ies) from a live peer "
             f"({', '.join(f'{s:.1f} s' for s in ft['heal_seconds']) or 'none'}), {ft['peers_healed']} peer(s) "

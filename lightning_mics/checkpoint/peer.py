@@ -4,8 +4,9 @@ fault-tolerant job loads from a live one ([Note: fault-tolerant replica groups] 
 [Note: a peer's state]
 Rank k of every replica group holds the same rows of every parameter (the same layout: world, s and module), so
 a joining group takes rank k's state as it is, tensor for tensor, without a gather or a reshard: each unit's flat
-master shard, the replicated parameters, the module's buffers, and each optimizer's state with its DTensors as
-their local tensors (their placement is the joining rank's own). ``local_state`` copies nothing and runs no
+master shard, the replicated parameters, the module's buffers, each optimizer's state with its DTensors as
+their local tensors (their placement is the joining rank's own), and under DiLoCo the outer loop's anchors, outer
+momentum and step counts. ``local_state`` copies nothing and runs no
 collective (a quorum thread reads it while the main thread waits); ``load_local_state`` checks the layout's
 fingerprint first, releases every unit (the masters change under them) and writes in place, so the optimizer's
 DTensors keep viewing the shards.
@@ -13,7 +14,7 @@ DTensors keep viewing the shards.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -29,7 +30,8 @@ def fingerprint(engine: MiCSEngine) -> Dict[str, Any]:
     return {"world": lay.world_size, "s": lay.shard_size, "shard_rank": engine.topo.shard_rank,
             "units": [u.shard_flat.numel() for u in engine.units],
             "replicated": [tuple(rp.local.shape) for rp in engine.replicated],
-            "buffers": [name for name, _ in engine.root.named_buffers()]}
+            "buffers": [name for name, _ in engine.root.named_buffers()],
+            "sync_every": engine.outer.sync_every if engine.outer is not None else None}
 
 
 def _plain(t: Tensor) -> Tensor:
@@ -50,7 +52,16 @@ def local_state(engine: MiCSEngine, optimizers: Sequence[torch.optim.Optimizer])
             "units": [u.shard_flat.detach() for u in engine.units],
             "replicated": [rp.local.detach() for rp in engine.replicated],
             "buffers": [b.detach() for _, b in engine.root.named_buffers()],
-            "optimizers": [_optimizer_state(o) for o in optimizers]}
+            "optimizers": [_optimizer_state(o) for o in optimizers], "outer": _outer_state(engine)}
+
+
+def _outer_state(engine: MiCSEngine) -> Optional[Dict[str, Any]]:
+    """DiLoCo's outer loop ([Note: DiLoCo in checkpoints] in diloco.py), its flags and counts as plain lists."""
+    if engine.outer is None:
+        return None
+    state = engine.outer.state()
+    return {"anchors": state["anchors"], "momentum": state["momentum"],
+            "has_momentum": state["has_momentum"].tolist(), "steps": state["steps"].tolist()}
 
 
 def _check(engine: MiCSEngine, state: Dict[str, Any], count: int) -> None:
@@ -93,4 +104,9 @@ def load_local_state(engine: MiCSEngine, optimizers: Sequence[torch.optim.Optimi
         unit.rows_written()  # [Note: rows between steps] in optimizer_rows.py
     for optimizer, saved in zip(optimizers, state["optimizers"]):
         _load_optimizer(engine, optimizer, saved)
+    if engine.outer is not None:
+        outer = state["outer"]
+        engine.outer.load_state({"anchors": outer["anchors"], "momentum": outer["momentum"],
+                                 "has_momentum": torch.tensor(outer["has_momentum"], dtype=torch.bool),
+                                 "steps": torch.tensor(outer["steps"], dtype=torch.int64)})
     engine.pin()

@@ -12,11 +12,19 @@ anchor on every replica group, and the anchor and the outer momentum are the sam
 ``sync_every``-th optimizer step the engine hears of, before the schedule refreshes what stays gathered. With
 fragments, each fragment's masters and anchors keep this invariant at its own sync ([Note: streaming fragments] in
 fragments.py).
+
+[Note: an outer step not taken]
+With ``across`` set (fault tolerance: the replica groups are torchrun jobs averaged through torchft's manager), a
+sync ends with the manager's commit decision. When it is False (a group of the quorum failed in the average), this
+group applies no outer step: its masters are set back to the anchors (the last committed sync's model, as torchft's
+DiLoCo restores its original parameters), the anchors and the outer momentum stay as they were, the inner
+optimizer keeps its state, and the window's inner steps stay taken by the loop (its step count, the data it read):
+the window is dropped, not retried. ``outer_steps`` counts committed syncs only, ``dropped`` the others.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -26,6 +34,18 @@ from lightning_mics.comm.telemetry import CommLog
 from lightning_mics.engine.fragments import Average, InFlight, applies_after, sent_after, split_units
 from lightning_mics.layout.topology import Topology
 from lightning_mics.engine.unit import Unit
+
+
+class Across(Protocol):
+    """The average across replica groups beyond this engine's world ([Note: DiLoCo across fault-tolerant groups] in
+    frontends/fault_tolerance/groups.py): ``quorum`` before the pseudo-gradients are taken (it may replace this
+    rank's state with a live peer's, in place), ``average`` of one flat fp32 buffer in place, ``commit``."""
+
+    def quorum(self) -> None: ...
+
+    def average(self, flat: Tensor) -> None: ...
+
+    def commit(self) -> bool: ...
 
 
 class OuterSync:
@@ -60,6 +80,8 @@ class OuterSync:
         self.optimizer: Optional[torch.optim.SGD] = None
         self.steps = 0  # inner optimizer steps into the window (since the last sync of the whole shard or fragment F - 1)
         self.outer_steps = 0
+        self.across: Optional[Across] = None  # the front end's, under fault tolerance (else the replica group's)
+        self.dropped = 0  # syncs not committed ([Note: an outer step not taken])
         self.loaded_inner: Optional[Dict[str, Any]] = None  # a load's inner optimizer state, until the optimizers load
 
     # -- the anchor -------------------------------------------------------------------------------------
@@ -114,7 +136,11 @@ class OuterSync:
     @torch.no_grad()
     def average(self, flat: Tensor, async_op: bool = False) -> Average:
         """The mean of ``flat`` over the replica group, in place (int8 blocks with ``quantize_gradients``), made
-        by the returned ``Average``'s ``wait()``; ``async_op``: still in flight until then."""
+        by the returned ``Average``'s ``wait()``; ``async_op``: still in flight until then. Over the quorum's groups
+        through ``across`` when set (blocking: fault tolerance refuses a delay)."""
+        if self.across is not None:
+            self.across.average(flat)
+            return Average.of(flat)
         group, r = self.topo.replica_group, self.topo.layout.replicas
         work = None
         if r > 1:
@@ -129,6 +155,8 @@ class OuterSync:
     def send(self, fragment: int) -> None:
         """Fragment ``fragment``'s pseudo-gradient into its average over the replica group (in flight with a delay)."""
         assert self.in_flight is None, "a fragment is still in flight"  # sync_delay < sync_every / sync_fragments
+        if self.across is not None:
+            self.across.quorum()  # a peer's state, if taken, is in place before the pseudo-gradients
         flat = self.pseudo_gradient(self.fragments[fragment])
         self.in_flight = InFlight(fragment, self.average(flat, async_op=self.delay > 0))
 
@@ -141,7 +169,13 @@ class OuterSync:
         self.in_flight = None
         which = self.fragments[fragment]
         anchors = [self.anchors[i] for i in which]
-        for a, g in zip(anchors, average.wait().split([a.numel() for a in anchors])):
+        mean = average.wait()
+        if self.across is not None and not self.across.commit():  # [Note: an outer step not taken]
+            for i, a in zip(which, anchors):
+                self.masters[i].copy_(a)
+            self.dropped += 1
+            return
+        for a, g in zip(anchors, mean.split([a.numel() for a in anchors])):
             a.grad = g.view_as(a)
         self.optimizer.step()  # SGD steps only the anchors with a gradient: this fragment's
         for i, a in zip(which, anchors):

@@ -76,6 +76,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if self.options.tensor_parallel_degree != 1:
             _fail("tensor_parallel_degree", self.options.tensor_parallel_degree,
                   "1 (a tensor-parallel plan is applied by the Trainer strategy's configure_model)")
+        if self.options.fault_tolerance and self.options.replica_sync == "diloco":
+            _fail("replica_sync", "diloco", "'exact' with fault_tolerance=True under Fabric (a joining group would "
+                  "need the loop's inner step count, which Fabric's loop keeps; the Trainer's strategy takes it)")
         resolve_classes(self.options.shard_units, "shard_units")
         resolve_classes(self.options.activation_checkpointing, "activation_checkpointing")
         self._process_group_backend = process_group_backend

@@ -6,6 +6,7 @@ the strategy's ``distributed_sampler_kwargs``.
     --mode fabric    the same under Fabric, a hand-written loop that resumes at the committed step
     --mode mics      MiCSStrategy without fault tolerance (the same global batches over all ranks)
     --mode plain     one process, the global batch of every step
+    --diloco H       replica_sync="diloco", sync_every=H (ft and mics; the outer defaults)
 
 Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step, the quorum's summary) and,
 with ``--record``, ``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum,
@@ -96,8 +97,8 @@ class Record(L.Callback):
     """Rank 0: a line per optimizer step (after it), and a pause that gives a test time to act mid-run
     (``pause_alone`` while the quorum holds this group only: a survivor still runs when its peer is back)."""
 
-    def __init__(self, path, pause, pause_alone=None):
-        self.path, self.pause, self.last = path, pause, -1
+    def __init__(self, path, pause, pause_alone=None, hold=None):
+        self.path, self.pause, self.last, self.hold = path, pause, -1, hold
         self.pause_alone = pause if pause_alone is None else pause_alone
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -108,13 +109,20 @@ class Record(L.Callback):
             ft = trainer.strategy.fault_tolerance
             log = ft.group.log if ft is not None else None
             line = {"t": time.time(), "step": trainer.global_step,
-                    "quorum": log.participants[-1] if log else None, "committed": log.committed[-1] if log else True,
+                    "quorum": log.participants[-1] if log and log.participants else None,
+                    "committed": log.committed[-1] if log and log.committed else True,
                     "committed_steps": ft.step_count if ft is not None else trainer.global_step}
+            outer = trainer.strategy.engine.outer
+            if outer is not None:  # DiLoCo: rank 0's masters and anchors (sums), the syncs not taken
+                line.update(masters=sum(m.double().sum().item() for m in outer.masters), dropped=outer.dropped,
+                            anchors=sum(a.double().sum().item() for a in outer.anchors or []))
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         ft = trainer.strategy.fault_tolerance
         alone = ft is not None and ft.group.log.participants and ft.group.log.participants[-1] == 1
         time.sleep(self.pause_alone if alone else self.pause)
+        if trainer.global_step == self.hold:  # a group a test kills here
+            time.sleep(120)
 
 
 class SaveAtEnd(L.Callback):
@@ -128,24 +136,59 @@ class SaveAtEnd(L.Callback):
             trainer.save_checkpoint(self.path)
 
 
+class CrossTraffic(L.Callback):
+    """Under fault tolerance, every call this group makes to torchft's Manager that crosses the groups (its quorum,
+    its allreduce), with the loop's batch at the call (-1: before the first), counted on the Manager itself."""
+
+    def __init__(self, error_at=None):
+        self.events, self.error_at = [], error_at
+
+    def on_fit_start(self, trainer, pl_module):
+        ft = trainer.strategy.fault_tolerance
+        if ft is None:
+            return
+        manager, progress = ft.group.manager, trainer.fit_loop.epoch_loop.batch_progress.total
+
+        def counted(name, fn):
+            def call(*a, **k):
+                numel = a[0].numel() if a and isinstance(a[0], torch.Tensor) else 0
+                self.events.append([progress.ready - 1, name, numel])
+                calls = sum(1 for e in self.events if e[1] == name)
+                out = fn(*a, **k)
+                if name == "allreduce" and calls == self.error_at and trainer.global_rank == 0:
+                    manager.report_error(RuntimeError("an error the test reports"))  # once the average is sent
+                return out
+            return call
+
+        manager.start_quorum = counted("quorum", manager.start_quorum)
+        manager.allreduce = counted("allreduce", manager.allreduce)
+
+
 def strategy_options(args):
+    diloco = {"replica_sync": "diloco", "sync_every": args.diloco} if args.diloco else {}
     return {"sharded_data_parallel_degree": args.s, "param_persistence_threshold": 100,
-            "fault_tolerance": args.mode in ("ft", "fabric"), "timeout": 120}
+            "fault_tolerance": args.mode in ("ft", "fabric"), "timeout": 120, **diloco}
 
 
 def run_trainer(args, tag):
     record = str(Path(args.out) / f"{tag}_steps.jsonl") if args.record else None
+    traffic = CrossTraffic(args.error_at)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         num_nodes=args.num_nodes, strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
                         accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[Record(record, args.pause, args.pause_alone), SaveAtEnd(args.ckpt)])
+                        callbacks=[Record(record, args.pause, args.pause_alone, args.hold), SaveAtEnd(args.ckpt),
+                                   traffic])
     model = Module(args.samples, args.resumable, str(Path(args.out) / tag) if args.record else None)
     trainer.fit(model, ckpt_path=args.resume)
+    import lightning_mics
+
+    print(f"[ft_trainer] lightning_mics from {lightning_mics.__file__}", flush=True)
     if trainer.global_rank == 0:
         summary = trainer.strategy.fault_tolerance_summary
         torch.save({"params": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
-                    "global_step": trainer.global_step, "summary": summary}, Path(args.out) / f"{tag}.pt")
+                    "global_step": trainer.global_step, "summary": summary, "traffic": traffic.events},
+                   Path(args.out) / f"{tag}.pt")
 
 
 def run_fabric(args, tag):
@@ -209,6 +252,9 @@ def main():
     ap.add_argument("--pause", type=float, default=0.0, help="seconds rank 0 sleeps after each step")
     ap.add_argument("--pause-alone", type=float, default=None, help="the pause while the quorum is this group alone")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--error-at", type=int, default=None, help="rank 0 reports an error to torchft's Manager at "
+                    "its n-th allreduce (the step is then not committed on this group)")
+    ap.add_argument("--hold", type=int, default=None, help="rank 0 sleeps 120 s after this step (to be killed there)")
     ap.add_argument("--resumable", action="store_true")
     ap.add_argument("--fabric-data", action="store_true", help="--mode plain: the Fabric loop's batches")
     ap.add_argument("--ckpt", default=None)
@@ -217,6 +263,7 @@ def main():
     ap.add_argument("--num-nodes", type=int, default=1)
     ap.add_argument("--width", type=int, default=WIDTH)
     ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--diloco", type=int, default=0, help="H: replica_sync='diloco' with sync_every=H (0: exact)")
     args = ap.parse_args()
     OPT, WIDTH, LAYERS = args.opt, args.width, args.layers
     group = os.environ.get("REPLICA_GROUP_ID")

@@ -27,6 +27,19 @@ learning-rate schedulers' and the fit loop's counters as the peer saved them at 
 its sampler reads its own part of the data from there. Under Fabric the first quorum is formed when the optimizer
 is set up and each next one right after a step's commit; the loop's position is the user's
 (``strategy.fault_tolerance.step``: the committed steps).
+
+[Note: DiLoCo across fault-tolerant groups]
+With ``replica_sync="diloco"`` each group's engine runs its inner steps alone (its world is the group: r = 1 inside)
+and nothing crosses the groups inside a window: no quorum, no gradient average, no commit per step. The quorum is
+formed at the first batch of every ``sync_every``-th step (a group's first at ``on_train_start``, wherever its peers
+are); a group behind takes a live peer's state there, as the peer stood after its previous step: masters, inner
+optimizer state, anchors, outer momentum, steps since the sync, the loop's counters
+([Note: joining at the current step]), so it takes that sync step on its own data. At its end ``OuterSync``
+averages the pseudo-gradients (one flat fp32 buffer) over the quorum's groups through the manager (a lost group's
+survivors alone), and ``should_commit`` decides the outer step ([Note: an outer step not taken] in outer_sync.py).
+Taken from torchft: the Manager, its quorum, allreduce, ``should_commit`` and healing; not its DiLoCo class, which
+walks module parameters (here: the engine's flat shards) and forms its quorum after the H-th step, where a joiner
+would take a state from mid-batch.
 """
 
 from __future__ import annotations
@@ -42,6 +55,7 @@ from lightning_mics.checkpoint import peer
 from lightning_mics.comm import collectives
 from lightning_mics.comm.managed import GroupEnvironment, ManagedGroup
 from lightning_mics.engine.engine import MiCSEngine
+from lightning_mics.engine.outer_sync import OuterSync
 from lightning_mics.layout.placement import local
 
 
@@ -74,6 +88,7 @@ class FaultTolerance:
         self._extra_state: Optional[Callable[[], Dict[str, Any]]] = None
         self._extra_load: Optional[Callable[[Dict[str, Any]], None]] = None
         self.quorum_due = True  # [Note: one quorum per step] in comm/managed.py
+        self.outer: Optional[OuterSync] = None  # [Note: DiLoCo across fault-tolerant groups]
         self._closed = False
         atexit.register(self.shutdown)  # Fabric never tears its strategy down: the manager's threads end here
 
@@ -95,6 +110,9 @@ class FaultTolerance:
         self.engine, self.optimizers = engine, list(optimizers)
         self._extra_state, self._extra_load = extra_state, extra_load
         self.group.register(self._load, self._save)
+        if engine.outer is not None:  # [Note: DiLoCo across fault-tolerant groups]
+            self.outer = engine.outer
+            self.outer.across = _OuterAcross(self)
 
     def _save(self) -> Dict[str, Any]:
         assert self.engine is not None
@@ -109,15 +127,19 @@ class FaultTolerance:
             self._extra_load(state.get("extra", {}))
 
     # -- the step ---------------------------------------------------------------------------------------------
-    def quorum(self) -> None:
-        """This step's quorum, once per optimizer step ([Note: one quorum per step] in comm/managed.py)."""
-        if self.quorum_due:
+    def quorum(self, now: bool = False) -> None:
+        """This step's quorum, once per optimizer step ([Note: one quorum per step] in comm/managed.py); under DiLoCo
+        once per sync, before its step unless ``now`` ([Note: DiLoCo across fault-tolerant groups])."""
+        outer = self.outer
+        if self.quorum_due and (now or outer is None or outer.steps == outer.sync_every - 1):
             self.quorum_due = False
             self.group.quorum()
 
     @torch.no_grad()
     def average_gradients(self, engine: MiCSEngine) -> None:
         """[Note: the cross-group average]. Every rank of every group in the quorum calls it at the same point."""
+        if self.outer is not None:  # DiLoCo: no average inside a window, the outer sync's at its end
+            return
         self.quorum()  # a step whose quorum no batch start formed (Fabric's first, a second step in one batch)
         started = time.monotonic()
         placed = [p for u in engine.units for p in u.all_params() if p.requires_grad]
@@ -167,7 +189,10 @@ class FaultTolerance:
 
     def step(self, closure: Callable[[], Any], run_step: Callable[[Callable[[], Any]], Any]) -> Any:
         """An optimizer step: the closure (forward, backward and the average), the commit decision, and, when it
-        commits, ``run_step`` with a closure that returns the closure's result."""
+        commits, ``run_step`` with a closure that returns the closure's result. Under DiLoCo ``run_step`` at once:
+        the decision is the outer sync's ([Note: DiLoCo across fault-tolerant groups])."""
+        if self.outer is not None:
+            return run_step(closure)
         result = closure()
         calls = [0]
 
@@ -191,14 +216,39 @@ class FaultTolerance:
     def summary(self) -> Dict[str, Any]:
         """The quorum as this group saw it: steps, committed and failed, participants, recoveries."""
         return {"group": self.env.group, "groups": self.env.groups, "committed_steps": self.group.step,
-                **self.group.log.summary()}
+                "decisions": "steps" if self.outer is None else "outer syncs", **self.group.log.summary()}
 
     def shutdown(self, wait: bool = True) -> None:
         if not self._closed:
             self._closed = True
             atexit.unregister(self.shutdown)
+            if self.outer is not None:  # the engine may outlive the manager (kept sharded after fit)
+                self.outer.across, self.outer = None, None
             self.group.shutdown(wait=wait)
             self.engine, self.optimizers = None, []
+
+
+class _OuterAcross:
+    """``OuterSync``'s average across the groups ([Note: DiLoCo across fault-tolerant groups]): the sync's quorum if
+    no batch start formed it, the manager's mean of one flat buffer, its commit decision."""
+
+    def __init__(self, ft: FaultTolerance) -> None:
+        self.ft = ft
+
+    def quorum(self) -> None:
+        self.ft.quorum(now=True)
+
+    def average(self, flat: torch.Tensor) -> None:
+        started = time.monotonic()
+        self.ft.group.all_reduce_mean(flat).wait()  # an error is recorded, not raised: commit() is then False
+        if self.ft.engine is not None:
+            self.ft.engine.log.record("all_reduce", "groups", flat.numel() * flat.element_size())
+        self.ft.group.log.seconds["average"].append(time.monotonic() - started)
+
+    def commit(self) -> bool:
+        ok = self.ft.group.commit()
+        self.ft.quorum_due = True
+        return ok
 
 
 def progress_metrics(ft: FaultTolerance) -> Dict[str, float]:

@@ -24,6 +24,7 @@ class TrainerQuorum(Callback):
         self._joining = False
         self._loops: Optional[Dict[str, Any]] = None  # the fit loop at the last on_train_batch_end (or start)
         self._steps_seen = 0
+        self._loop_step = 0  # DiLoCo: the loop step at the last ``_loops``
 
     @property
     def state_key(self) -> str:
@@ -60,11 +61,12 @@ class TrainerQuorum(Callback):
         self._loops = copy.deepcopy(trainer.fit_loop.state_dict())
         self._joining = True
         try:
-            self.ft.quorum()
+            self.ft.quorum(now=True)
         finally:
             self._joining = False
         self._loops = copy.deepcopy(trainer.fit_loop.state_dict())
         self._steps_seen = len(self.ft.group.log.committed)
+        self._loop_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any,
                              batch_idx: int) -> None:
@@ -72,6 +74,12 @@ class TrainerQuorum(Callback):
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        if self.ft.outer is not None:  # [Note: DiLoCo across fault-tolerant groups] in groups.py: a peer joins at a
+            if trainer.global_step != self._loop_step:  # sync step's first batch, so the loop after every step
+                self._loop_step = trainer.global_step
+                self._loops = copy.deepcopy(trainer.fit_loop.state_dict())
+                self._log_quorum(pl_module)
+            return
         decided = len(self.ft.group.log.committed)
         if decided == self._steps_seen:  # inside an accumulation window: no commit decision yet
             return
@@ -80,6 +88,11 @@ class TrainerQuorum(Callback):
                              "batch; allowed is at most one (each step needs its own quorum before its forward).")
         self._steps_seen = decided
         self._loops = copy.deepcopy(trainer.fit_loop.state_dict())
+        self._log_quorum(pl_module)
+
+    def _log_quorum(self, pl_module: "pl.LightningModule") -> None:
+        if not self.ft.group.log.participants:  # DiLoCo before its first sync
+            return
         metrics = progress_metrics(self.ft)
         pl_module.log("quorum", metrics["quorum"], prog_bar=True, on_step=True, on_epoch=False, logger=True)
         pl_module.log("ft_failed", metrics["ft_failed"], prog_bar=True, on_step=True, on_epoch=False, logger=True)

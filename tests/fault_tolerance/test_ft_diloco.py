@@ -1,0 +1,135 @@
+"""``MiCSStrategy(replica_sync="diloco", fault_tolerance=True)`` under the Trainer, with real processes: a real
+torchft lighthouse, each replica group (2 ranks, s = 2 inside) a job of its own whose ranks are forked from the test
+launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank script ft_trainer.py beside this file.
+
+- with no failure, two groups (H = 3, accumulation 2) equal each other and the same 4-rank DiLoCo job without fault
+  tolerance (s = 2, r = 2: the job tests/diloco checks against its simulation) bit for bit;
+  the groups meet only at sync steps: torchft's Manager (counted on the Manager itself) forms a quorum at the
+  start and at the first batch of each later sync step, and averages one flat buffer at the end of each sync step;
+- a sync not committed on one group (an error reported to its Manager): its masters go back to the anchors, the
+  window is dropped, and at the next sync it takes its peer's state; both end bit-equal;
+- a group killed mid-window: the survivor goes on stepping and syncing alone (quorum 1), the group started again
+  takes a live peer's state at a sync step and both end at the last step with bit-equal parameters.
+
+Bounds such as "within 60 s" are timeouts here, not measured figures.
+"""
+
+import pytest
+import torch
+
+from tests.helpers.ft_groups import FTJob, records, wait_for
+from tests.helpers.launch import REPO, free_port, run_ranks
+
+pytestmark = pytest.mark.distributed
+pytest.importorskip("torchft")
+SCRIPT = REPO / "tests" / "fault_tolerance" / "ft_trainer.py"
+
+
+def _load(path):
+    return torch.load(path, weights_only=False)
+
+
+def _differ(a, b, tol=0.0):
+    return [k for k in a["params"] if (a["params"][k] - b["params"][k]).abs().max().item() > tol]
+
+
+def _check(job, codes):
+    logs = [job.log(job.current(g))[-4000:] for g in range(2)]
+    assert codes == [0, 0], "\n".join(f"--- group {g} (exit {c}) ---\n{t}" for g, (c, t) in enumerate(zip(codes, logs)))
+    assert all(f"lightning_mics from {REPO}" in t for t in logs), "the ranks imported another checkout's package"
+
+
+def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path):
+    """2 groups x 2 ranks, H = 3, accumulation 2, 6 steps (two outer syncs) against the 4-rank job."""
+    steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3"]
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=2)
+        for g in range(2):
+            job.start(g, ["--mode", "ft", "--out", str(tmp_path), *steps], forked=True)
+        _check(job, [job.wait(g, timeout=400) for g in range(2)])
+    run_ranks(SCRIPT, 4, ["--mode", "mics", *steps], tmp_path, timeout=300, extra_env={"LOCAL_WORLD_SIZE": "4"})
+    ft0, ft1, mics = (_load(tmp_path / f"{t}.pt") for t in ("ft0", "ft1", "mics"))
+    assert ft0["global_step"] == ft1["global_step"] == mics["global_step"] == 6
+    assert _differ(ft0, ft1) == []
+    # bit for bit: the same inner steps in each group, and the mean of two pseudo-gradients is (a + b) / 2 through
+    # either the replica group's all-reduce or the manager's
+    assert _differ(ft0, mics) == []
+    for s in (ft0["summary"], ft1["summary"]):  # two decisions (the outer syncs), both committed with both groups
+        assert (s["steps"], s["committed"], s["failed"], s["participants_min"], s["participants_max"]) == \
+            (2, 2, 0, 2, 2), s
+    # batches 0-11: step k is batches 2k-2, 2k-1; the syncs end steps 3 and 6. Quorums: at on_train_start (batch
+    # -1) for the first sync, at step 6's first batch for the second; one flat allreduce at the end of each sync step
+    numel = {n for _, op, n in ft0["traffic"] if op == "allreduce"}
+    assert [(b, op) for b, op, _ in ft0["traffic"]] == [(-1, "quorum"), (5, "allreduce"), (10, "quorum"),
+                                                         (11, "allreduce")], ft0["traffic"]
+    assert len(numel) == 1 and numel.pop() > 0
+
+
+def test_a_sync_not_committed_drops_the_window_and_heals_at_the_next(tmp_path):
+    """Group 0 reports an error to its Manager at its second sync (step 4, H = 2): should_commit is False there, its
+    masters equal its anchors after the step (the first sync's model), its peer commits; at step 6's first batch group
+    0 is one commit behind and takes group 1's state; both end at step 8 bit-equal."""
+    args = ["--mode", "ft", "--out", str(tmp_path), "--steps", "8", "--diloco", "2", "--opt", "sgd", "--record"]
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=2)
+        job.start(0, [*args, "--error-at", "2"], forked=True)
+        job.start(1, args, forked=True)
+        _check(job, [job.wait(g, timeout=400) for g in range(2)])
+    ra, rb = records(tmp_path / "ft0_steps.jsonl"), records(tmp_path / "ft1_steps.jsonl")
+    assert [r["committed"] for r in ra] == [True] * 3 + [False] * 2 + [True] * 3, ra  # the last decision's
+    assert all(r["committed"] for r in rb), rb
+    assert ra[3]["dropped"] == 1 and ra[3]["masters"] == ra[3]["anchors"] == ra[1]["masters"], ra[:4]
+    assert rb[3]["masters"] != ra[3]["masters"]  # group 1 took the outer step
+    ft0, ft1 = _load(tmp_path / "ft0.pt"), _load(tmp_path / "ft1.pt")
+    assert _differ(ft0, ft1) == []
+    s0, s1 = ft0["summary"], ft1["summary"]
+    assert (s0["committed"], s0["failed"], s1["committed"], s1["failed"]) == (3, 1, 4, 0), (s0, s1)
+    assert s0["committed_steps"] == s1["committed_steps"] == 4  # group 0's count came back with the heal
+    assert s0["recoveries"] >= 1 and s1["peers_healed"] >= 1, (s0, s1)
+
+
+def test_a_group_lost_mid_window_rejoins_at_a_sync(tmp_path):
+    """Group 1's ranks killed after step 7 (one step into the third window, H = 3; it holds there until killed),
+    started again at once: group 0
+    syncs alone meanwhile; group 1 takes group 0's state at a sync step's first batch (its masters, inner momentum,
+    anchors, outer momentum, the loop's counters) and both end at step 30 with bit-equal parameters. Group 0 pauses
+    1 s after each step it takes alone (0.2 s otherwise), so that it still runs when group 1 is back."""
+    steps = 30
+    args = ["--mode", "ft", "--out", str(tmp_path), "--steps", str(steps), "--diloco", "3", "--opt", "sgd",
+            "--record", "--pause", "0.2", "--pause-alone", "1.0", "--resumable"]
+    a, b = tmp_path / "ft0_steps.jsonl", tmp_path / "ft1_steps.jsonl"
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=1, heartbeat_ms=2000)
+        job.start(0, args, forked=True)
+        job.start(1, [*args, "--hold", "7"], forked=True)
+        wait_for(lambda: job.check() and any(r["step"] == 7 for r in records(b)), 240, what="step 7 of group 1")
+        killed = job.kill(1)
+        before = records(b)[-1]["step"]
+        wait_for(lambda: job.check() and any(r["t"] > killed and r["quorum"] == 1 for r in records(a)), 60,
+                 what="a sync of the surviving group alone")
+        job.start(1, args, forked=True)
+        restarted = job.started_at[1][-1]
+        wait_for(lambda: job.check() and any(r["t"] > restarted for r in records(b)), 90,
+                 what="the restarted group's first step")
+        codes = [job.wait(g, timeout=400) for g in range(2)]
+        _check(job, codes)
+        job.stop_lighthouse()
+    ra, rb = records(a), records(b)
+    assert before == 7, f"killed after step {before}"
+    # a record's quorum is its group's last sync's; the committed count moves at sync steps only
+    # (group 0 may have joined late itself: its records start at its first step)
+    syncs = [(r["step"], r["quorum"]) for r, prev in zip(ra[1:], ra) if r["committed_steps"] != prev["committed_steps"]]
+    assert [step for step, _ in syncs] == list(range(ra[0]["step"] + 3 - ra[0]["step"] % 3, steps + 1, 3)), ra
+    assert any(q == 1 and step > before for step, q in syncs), syncs  # the survivor synced alone
+    rejoined = next(r for r in rb if r["t"] > restarted)
+    assert rejoined["step"] > before and rejoined["step"] % 3 == 0 and rejoined["quorum"] == 2, rejoined
+    assert ra[-1]["step"] == rb[-1]["step"] == steps and ra[-1]["quorum"] == rb[-1]["quorum"] == 2
+    ft0, ft1 = _load(tmp_path / "ft0.pt"), _load(tmp_path / "ft1.pt")
+    assert ft0["global_step"] == ft1["global_step"] == steps
+    assert _differ(ft0, ft1) == []
+    assert ft1["summary"]["recoveries"] >= 1 and ft0["summary"]["participants_min"] == 1, (ft0["summary"],
+                                                                                         ft1["summary"])
+    assert ft0["summary"]["peers_healed"] >= 1, ft0["summary"]
