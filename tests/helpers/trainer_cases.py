@@ -109,8 +109,8 @@ def groups_kept_between_fits() -> Iterator[None]:
     the groups kept (the launch, 63 -> 40), most of it ``torch_optim``'s 15 fits (8.5 -> 4.4). What each
     case compares is the same either way (a reused group sums in the same order); the release itself, and a
     layout trained again after its groups were released, are checked in ``tests/layout/test_lifecycle.py``; the
-    first fit of each layout in a launch still creates its groups, and every group goes at exit ([Note: groups at
-    exit])."""
+    first fit of each layout in a launch still creates its groups, and every group goes at exit
+    ([Note: groups at exit] in lightning_mics/layout/topology.py)."""
     from lightning_mics.frontends import shared
 
     release = shared.release_topology  # the one call that destroys a layout's groups (shared.release_unused)
