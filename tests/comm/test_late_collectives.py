@@ -18,7 +18,7 @@ EQUIV = REPO / "tests" / "engine" / "equiv.py"
 FABRIC = REPO / "tests" / "fabric" / "fabric_loop.py"
 BLOCK = "lightning_mics.app.models.gpt.Block"
 BASE = ["--model", "gpt", "--optimizer", "adamw", "--threshold", "0", "--layers", "3", "--steps", "3",
-        "--accum", "2", "--clip", "1.0", "--late", "0.03"]
+        "--accum", "2", "--clip", "1.0", "--late", "0.03", "--keep-groups"]
 
 FP32 = [
     {"s": 2, "prefetch": 2},

@@ -5,6 +5,7 @@ Also reports: model-state bytes vs the ideal, and per-step collective counts fro
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ from tests.helpers.comm_mode import CommCounter  # noqa: E402
 from tests.helpers.late_collectives import LateCollectives  # noqa: E402
 from tests.helpers.live import LiveMeter  # noqa: E402
 from tests.helpers.models import SEQ, VOCAB, DemoTransformer, TiedFrozen, gpt  # noqa: E402
+from tests.helpers.trainer_cases import groups_kept_between_fits  # noqa: E402
 
 LAYERS = 2  # GPT blocks (--layers)
 MEASURE = False  # --measure: bytes kept for backward and forward ops replayed in backward
@@ -200,6 +202,9 @@ def main():
     ap.add_argument("--late", type=float, default=0.0,
                     help="each variant also runs with every collective finishing this many seconds late "
                          "([Note: late collectives]); rank 0 compares the two full states bit for bit")
+    ap.add_argument("--keep-groups", action="store_true",
+                    help="a layout's process groups kept from one variant's fit to the next "
+                         "(tests/helpers/trainer_cases.py's groups_kept_between_fits)")
     args = ap.parse_args()
     global LAYERS, MEASURE
     LAYERS, MEASURE = args.layers, args.measure
@@ -219,20 +224,22 @@ def main():
     if rank == 0:
         ref = reference(args, world, x, y)
     results = []
-    for k, variant in enumerate(variants):
-        try:
-            res = run_variant(args, dict(variant), world, rank, train, val, ref,
-                              Path(args.out) / f"state{k}.pt" if args.save_states else None)
-            if args.late:
-                late = run_variant(args, dict(variant), world, rank, train, val, ref, late=args.late)
-                res["late"] = compare_late(res, late)
-            res.pop("_full")
-            results.append(res)
-        except Exception:
-            import traceback
+    kept = groups_kept_between_fits() if args.keep_groups else contextlib.nullcontext()
+    with kept:
+        for k, variant in enumerate(variants):
+            try:
+                res = run_variant(args, dict(variant), world, rank, train, val, ref,
+                                  Path(args.out) / f"state{k}.pt" if args.save_states else None)
+                if args.late:
+                    late = run_variant(args, dict(variant), world, rank, train, val, ref, late=args.late)
+                    res["late"] = compare_late(res, late)
+                res.pop("_full")
+                results.append(res)
+            except Exception:
+                import traceback
 
-            traceback.print_exc()
-            results.append({"error": traceback.format_exc()})
+                traceback.print_exc()
+                results.append({"error": traceback.format_exc()})
     result = dict(results[0], rank=rank, variants=results)
     (Path(args.out) / f"result{rank}.json").write_text(json.dumps(result))
 

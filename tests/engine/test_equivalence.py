@@ -74,7 +74,7 @@ def layouts(tmp_path_factory):
         if model not in runs:
             d = tmp_path_factory.mktemp(model)
             res = run_ranks(SCRIPT, 4, ["--model", model, "--steps", "4", "--accum", "2",
-                                        "--variants", json.dumps(_for_model(model))], d)
+                                        "--keep-groups", "--variants", json.dumps(_for_model(model))], d)
             runs[model] = res
         return runs[model]
     return get
@@ -97,7 +97,7 @@ def test_sgd_matches_single_process(layouts, model, variant):
 def adamw(tmp_path_factory):
     """The GPT under AdamW at s = 2 and s = 4, one launch: the param groups' equivalence (s = 2) and the state
     per rank (both)."""
-    return run_ranks(SCRIPT, 4, ["--model", "gpt", "--optimizer", "adamw", "--steps", "4",
+    return run_ranks(SCRIPT, 4, ["--model", "gpt", "--optimizer", "adamw", "--steps", "4", "--keep-groups",
                                  "--variants", json.dumps([{"s": 2}, {"s": 4}])], tmp_path_factory.mktemp("adamw"))
 
 
@@ -118,7 +118,7 @@ CLIPPED = {"s2": {"s": 2}, "s1": {"s": 1}, "s2-optimizer-over-replicas": {"s": 2
 def clipped(tmp_path_factory):
     """Accumulation 4 with clipping and small buckets, the three layouts one after another in one launch."""
     return run_ranks(SCRIPT, 4, ["--model", "tied", "--steps", "4", "--accum", "4", "--clip", "0.05", "--bucket",
-                                 "500", "--variants", json.dumps(list(CLIPPED.values()))],
+                                 "500", "--keep-groups", "--variants", json.dumps(list(CLIPPED.values()))],
                      tmp_path_factory.mktemp("clipped"))
 
 
