@@ -168,7 +168,7 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     rec["timed_from"] = args.warmup + 2  # the first step that no handshake precedes ([Note: step marks])
     if case in DILOCO:  # [Note: DiLoCo's timed window]: the syncs in the windows, from the engine's counter
         outer = ranks[0]["outer_steps"]  # outer[j]: syncs done by the end of step j + 1
-        rec.update(sync_every=args.sync_every, windows=args.windows, package=ranks[0]["package"],
+        rec.update(sync_every=args.sync_every, windows=args.windows, package=ranks[0]["package"], outer_steps=outer,
                    syncs_timed=outer[last - 1] - outer[rec["timed_from"] - 2],
                    syncs_link=outer[last - 1] - outer[args.warmup - 1])
         if rec["syncs_timed"] != args.windows or rec["syncs_link"] != args.windows:
@@ -183,6 +183,15 @@ def _cross_wait(comm: Dict[str, Any], prefix: str) -> float:
     return wait + comm.get("ddp_exposed_s", 0.0)
 
 
+def _sync_steps(rec: Dict[str, Any], first: int, n: int) -> set:
+    """Indexes among the ``n`` timed steps (the first is step ``first``) of the steps that ended with a DiLoCo sync:
+    from the engine's counter where the record has it, else the multiples of H ([Note: DiLoCo's timed window])."""
+    outer = rec.get("outer_steps")
+    if outer:  # outer[j]: the syncs done by the end of step j + 1
+        return {i for i in range(n) if outer[first + i - 1] > outer[first + i - 2]}
+    return {i for i in range(n) if (first + i) % rec["sync_every"] == 0}
+
+
 def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """One row per (case, rate, accum) from the runs' records (failed runs left out), with ratios."""
     groups: Dict[tuple, List[Dict[str, Any]]] = defaultdict(list)
@@ -192,9 +201,14 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
     rows = []
     for (case, rate, accum), recs in groups.items():
         steps, per_round, ar, cw, link, counted = [], [], [], [], [], defaultdict(list)
+        inner, sync = [], []
         for rec in recs:
             w = rec.get("timed_from", rec["warmup"] + 1) - 1  # records before it marked every step
             durs = [[e - b for b, e in zip(r["resumes"][w - 1:], r["ends"][w:])] for r in rec["ranks"]]
+            if case in DILOCO:  # the slowest rank's mean over the inner steps, and over the sync steps
+                synced = _sync_steps(rec, w + 1, len(durs[0]))
+                inner.append(max(statistics.mean(x for i, x in enumerate(d) if i not in synced) for d in durs))
+                sync.append(max(statistics.mean(d[i] for i in synced) for d in durs))
             if "timed_from" in rec:  # no barrier between the steps: a rank's step k holds its wait for a later rank,
                 slowest = [max(statistics.mean(d) for d in durs)] * len(durs[0])  # so the slowest rank's pace
             else:
@@ -223,7 +237,9 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
         if case in DILOCO:  # [Note: DiLoCo's timed window]
             k, link_steps = recs[0]["windows"], len(slowest) + 1
             row.update(sync_every=recs[0]["sync_every"], syncs_timed=k, link_window_steps=link_steps,
-                       link_bytes_per_sync=row["link_bytes"] * link_steps / k)
+                       link_bytes_per_sync=row["link_bytes"] * link_steps / k, inner_step_s=statistics.median(inner),
+                       sync_step_s=statistics.median(sync))
+            row["vs_inner"] = row["step_s"] / row["inner_step_s"]
         row.update(phases(recs))  # [Note: what holds a step] in timeline.py, where the runs have a timeline
         rows.append(row)
     add_ratios(rows)
@@ -279,7 +295,7 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
 def diloco_table(rows: Sequence[Dict[str, Any]]) -> str:
     """The DiLoCo rows against the exact cases of the same rate and accumulation, and against their unshaped run."""
     head = ("| link | accum | case | H | step s | best exact (step s) | / best exact | best peer | / best peer "
-            "| / unshaped | link MB/step | MB/sync | load 1-min |")
+            "| / unshaped | inner step s | sync step s | step / inner | link MB/step | MB/sync | load 1-min |")
     lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
     at = {(r["rate_mbit"], r["accum"], r["case"]): r for r in rows}
     for r in rows:
@@ -290,7 +306,8 @@ def diloco_table(rows: Sequence[Dict[str, Any]]) -> str:
         lines.append(f"| {link} | {r['accum']} | {r['case']} | {r['sync_every']} | {r['step_s']:.2f} | "
                      f"{r['best_exact'] or '—'} ({_f(best and best['step_s'], '.2f')}) | "
                      f"{_f(r['vs_best_exact'], '.2f')} | {r['best_peer'] or '—'} | {_f(r['vs_best_peer'], '.2f')} | "
-                     f"{_f(r['vs_unshaped'], '.2f')} | {r['link_bytes'] / 1e6:.1f} | "
+                     f"{_f(r['vs_unshaped'], '.2f')} | {r['inner_step_s']:.2f} | {r['sync_step_s']:.2f} | "
+                     f"{r['vs_inner']:.2f} | {r['link_bytes'] / 1e6:.1f} | "
                      f"{r['link_bytes_per_sync'] / 1e6:.1f} | {r['load1'][0]:.1f}-{r['load1'][1]:.1f} |")
     return "\n".join(lines)
 
@@ -348,7 +365,9 @@ def report(folder: Path, command: str) -> List[Dict[str, Any]]:
         text += [f"DiLoCo (H = {', '.join(map(str, h))}), each mean step over whole windows with their syncs "
                  "([Note: DiLoCo's timed window] in benchmarks/cluster.py); best exact: the fastest case that is "
                  "exact data parallelism (every case but DiLoCo's); / unshaped: against the same case on the "
-                 "unshaped link:", "", diloco_table(rows), ""]
+                 "unshaped link; inner and sync step: the slowest rank's mean over the window's steps without and "
+                 "with a sync, from the same run; step / inner: the mean step over the inner steps' mean, which "
+                 "holds the same load as the run:", "", diloco_table(rows), ""]
     if any("link_span_s" in r for r in rows):
         text += ["What holds the step ([Note: what holds a step] in benchmarks/timeline.py), medians over ranks and "
                  "timed steps:", "", phases_table(rows), ""]
