@@ -9,7 +9,22 @@ between the hosts crosses the veth, whose egress is shaped on both ends with ``t
 loaded machine slows every case alike), ``torchrun --nnodes 2 --nproc-per-node 2`` runs
 benchmarks/cluster_rank.py in both namespaces: ``--warmup`` optimizer steps, then ``--steps`` timed ones. The cases
 (``ddp``, ``fsdp2_full``, ``fsdp2_hsdp``, ``mics_host``, ``mics_twohop``, ``mics_host_os``, and the int8 twins
-``mics_host_q8``, ``mics_twohop_q8``, ``mics_host_os_q8``) are described there.
+``mics_host_q8``, ``mics_twohop_q8``, ``mics_host_os_q8``; DiLoCo's ``mics_host_diloco`` and
+``mics_host_diloco_q8``, whose host groups train apart and meet every ``--sync-every`` steps) are described there.
+
+[Note: DiLoCo's timed window]
+An exact case's steps are all alike, so ``--steps`` of them (3 in the README's commands) time it. A DiLoCo case's
+are not: H - 1 inner steps send nothing between the hosts, the H-th ends with the outer sync. It times
+``--windows`` x ``--sync-every`` (k x H) steps instead, whatever ``--steps`` says, so that its mean step holds the
+syncs at their share. The engine syncs at the end of optimizer steps H, 2H, ... counted from the run's first step,
+warm-up included; the timed steps are steps W + 2 .. W + 1 + kH (W = ``--warmup``, then the untimed step after the
+handshake), kH consecutive steps, so exactly k of them are sync steps wherever W puts the first one (with W = 1,
+H = 16: steps 3..18, the sync at step 16). The link's window (W + 1 .. W + 1 + kH) also holds the untimed step W + 1;
+it must not be a sync step, or the bytes would hold k + 1 syncs: refused at the command line when H > 1 divides
+W + 1. Its bytes per step (``link_bytes``) are then k syncs' bytes (and whatever the inner steps send) over kH + 1
+steps, the window's mean as for the exact cases; ``link_bytes_per_sync`` is the window's bytes over k. Both
+counts are checked from the engine's own outer-step counter at each step's end (rank 0): ``syncs_timed`` and
+``syncs_link``, a run whose counts differ from k failed.
 
 Per case, rate and accumulation, one JSON line on stdout (and in ``rows.jsonl``):
   step_s          the slowest rank's mean step over the timed steps (wall clock from the end of the step before
@@ -49,7 +64,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from cluster_rank import CASES, parser as model_parser  # noqa: E402
+from cluster_rank import CASES, DILOCO, parser as model_parser  # noqa: E402
 from timeline import phases, phases_table  # noqa: E402
 
 PEERS = ("ddp", "fsdp2_full", "fsdp2_hsdp")
@@ -68,6 +83,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="link rates in Mbit/s; 0: unshaped")
     ap.add_argument("--accum", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=1,
+                    help="DiLoCo cases: timed windows of --sync-every steps each ([Note: DiLoCo's timed window])")
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take")
     ap.add_argument("--out", default=None, help="folder for the results (default benchmarks/out/cluster/<time>)")
@@ -81,6 +98,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--warmup must be >= 1 (a timed step is measured from the previous step's end), got {args.warmup}")
     if args.steps < 1 or args.rounds < 1 or min(args.accum) < 1 or min(args.rates) < 0:
         ap.error("--steps, --rounds and --accum must be >= 1 and --rates >= 0")
+    if args.windows < 1 or args.sync_every < 1:
+        ap.error(f"--windows and --sync-every must be >= 1, got {args.windows} and {args.sync_every}")
+    if set(args.cases) & set(DILOCO) and args.sync_every > 1 and (args.warmup + 1) % args.sync_every == 0:
+        ap.error(f"--warmup {args.warmup} with --sync-every {args.sync_every}: the untimed step {args.warmup + 1} "
+                 "would be a sync step, counted in the link's window ([Note: DiLoCo's timed window])")
     if not args.queue_ms > 0:
         ap.error(f"--queue-ms must be > 0 (milliseconds), got {args.queue_ms}")
     from twohosts import check_sysctl
@@ -90,6 +112,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     except ValueError as e:
         ap.error(f"--{e}")
     return args
+
+
+def case_steps(case: str, args: argparse.Namespace) -> int:
+    """Timed steps of a run: ``--steps``; a DiLoCo case k x H ([Note: DiLoCo's timed window])."""
+    return args.windows * args.sync_every if case in DILOCO else args.steps
 
 
 def loadavg() -> List[float]:
@@ -106,8 +133,10 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     sock = Path(tempfile.mkdtemp(prefix="clm")) / "s"  # a Unix socket path must stay under 108 characters
     script = [str(BENCH / "cluster_rank.py"), "--case", case, "--accum", str(accum), "--out", str(folder),
               "--marks", str(sock)]
-    for k in ("width", "layers", "heads", "vocab", "seq", "batch", "steps", "warmup"):
-        script += [f"--{k}", str(getattr(args, k))]
+    steps = case_steps(case, args)
+    for k in ("width", "layers", "heads", "vocab", "seq", "batch", "warmup", "sync_every"):
+        script += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
+    script += ["--steps", str(steps)]
     script += ["--timeline"] if args.timeline else []
     rec: Dict[str, Any] = dict(case=case, rate_mbit=rate, accum=accum, warmup=args.warmup, load=loadavg(),
                                queue_ms=args.queue_ms)
@@ -125,7 +154,7 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
                     p.wait()
     sock.parent.rmdir()
     rec["wall_s"] = time.time() - t0
-    last = args.warmup + 1 + args.steps  # one untimed step after the warm-up's counters ([Note: step marks])
+    last = args.warmup + 1 + steps  # one untimed step after the warm-up's counters ([Note: step marks])
     if codes != [0, 0] or sorted(marks.marks) != [args.warmup, last]:
         rec["error"] = f"exit {codes}, counters read at steps {sorted(marks.marks)}; logs in {folder}"
         return rec
@@ -137,6 +166,14 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     [(sent, received)] = per_step(marks.marks, last, last, before=args.warmup)  # the whole window
     rec["link_steps"] = [(sent / (last - args.warmup), received / (last - args.warmup))]  # its mean per step
     rec["timed_from"] = args.warmup + 2  # the first step that no handshake precedes ([Note: step marks])
+    if case in DILOCO:  # [Note: DiLoCo's timed window]: the syncs in the windows, from the engine's counter
+        outer = ranks[0]["outer_steps"]  # outer[j]: syncs done by the end of step j + 1
+        rec.update(sync_every=args.sync_every, windows=args.windows, package=ranks[0]["package"], outer_steps=outer,
+                   syncs_timed=outer[last - 1] - outer[rec["timed_from"] - 2],
+                   syncs_link=outer[last - 1] - outer[args.warmup - 1])
+        if rec["syncs_timed"] != args.windows or rec["syncs_link"] != args.windows:
+            rec["error"] = (f"{rec['syncs_timed']} syncs in the timed steps and {rec['syncs_link']} in the link's "
+                            f"window, not {args.windows}; logs in {folder}")
     return rec
 
 
@@ -144,6 +181,15 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
 def _cross_wait(comm: Dict[str, Any], prefix: str) -> float:
     wait = sum(v["wait_s"] for k, v in comm.items() if k.startswith(prefix) and k.endswith("/cross"))
     return wait + comm.get("ddp_exposed_s", 0.0)
+
+
+def _sync_steps(rec: Dict[str, Any], first: int, n: int) -> set:
+    """Indexes among the ``n`` timed steps (the first is step ``first``) of the steps that ended with a DiLoCo sync:
+    from the engine's counter where the record has it, else the multiples of H ([Note: DiLoCo's timed window])."""
+    outer = rec.get("outer_steps")
+    if outer:  # outer[j]: the syncs done by the end of step j + 1
+        return {i for i in range(n) if outer[first + i - 1] > outer[first + i - 2]}
+    return {i for i in range(n) if (first + i) % rec["sync_every"] == 0}
 
 
 def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -155,9 +201,14 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
     rows = []
     for (case, rate, accum), recs in groups.items():
         steps, per_round, ar, cw, link, counted = [], [], [], [], [], defaultdict(list)
+        inner, sync = [], []
         for rec in recs:
             w = rec.get("timed_from", rec["warmup"] + 1) - 1  # records before it marked every step
             durs = [[e - b for b, e in zip(r["resumes"][w - 1:], r["ends"][w:])] for r in rec["ranks"]]
+            if case in DILOCO:  # the slowest rank's mean over the inner steps, and over the sync steps
+                synced = _sync_steps(rec, w + 1, len(durs[0]))
+                inner.append(max(statistics.mean(x for i, x in enumerate(d) if i not in synced) for d in durs))
+                sync.append(max(statistics.mean(d[i] for i in synced) for d in durs))
             if "timed_from" in rec:  # no barrier between the steps: a rank's step k holds its wait for a later rank,
                 slowest = [max(statistics.mean(d) for d in durs)] * len(durs[0])  # so the slowest rank's pace
             else:
@@ -183,6 +234,12 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
                    probe_mbit=statistics.median(r.get("probe_mbit", 0.0) for r in recs),
                    load1=[min(r["load"][0] for r in recs), max(r["load"][0] for r in recs)])
         row["step_over_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
+        if case in DILOCO:  # [Note: DiLoCo's timed window]
+            k, link_steps = recs[0]["windows"], len(slowest) + 1
+            row.update(sync_every=recs[0]["sync_every"], syncs_timed=k, link_window_steps=link_steps,
+                       link_bytes_per_sync=row["link_bytes"] * link_steps / k, inner_step_s=statistics.median(inner),
+                       sync_step_s=statistics.median(sync))
+            row["vs_inner"] = row["step_s"] / row["inner_step_s"]
         row.update(phases(recs))  # [Note: what holds a step] in timeline.py, where the runs have a timeline
         rows.append(row)
     add_ratios(rows)
@@ -192,7 +249,9 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
     """``vs_best_peer``: step time / the fastest peer's (DDP, FSDP2 full, FSDP2 HSDP) at the same rate and
-    accumulation (the peer itself included); ``vs_fsdp2_full`` and ``bytes_vs_hsdp`` likewise."""
+    accumulation (the peer itself included); ``vs_fsdp2_full`` and ``bytes_vs_hsdp`` likewise; ``vs_best_exact``
+    against the fastest exact case of all (the MiCS ones too, every case but DiLoCo's); ``vs_unshaped`` against the
+    same case and accumulation on the unshaped link (rate 0)."""
     at: Dict[tuple, Dict[str, Dict[str, Any]]] = defaultdict(dict)
     for r in rows:
         at[(r["rate_mbit"], r["accum"])][r["case"]] = r
@@ -205,6 +264,12 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
         r["vs_fsdp2_full"] = r["step_s"] / same["fsdp2_full"]["step_s"] if "fsdp2_full" in same else None
         hsdp = same.get("fsdp2_hsdp")
         r["bytes_vs_hsdp"] = r["link_bytes"] / hsdp["link_bytes"] if hsdp and hsdp["link_bytes"] else None
+        exact = [v for c, v in same.items() if c not in DILOCO]
+        best = min(exact, key=lambda p: p["step_s"]) if exact else None
+        r["best_exact"] = best["case"] if best else None
+        r["vs_best_exact"] = r["step_s"] / best["step_s"] if best else None
+        unshaped = at.get((0.0, r["accum"]), {}).get(r["case"])
+        r["vs_unshaped"] = r["step_s"] / unshaped["step_s"] if unshaped else None
 
 
 def _f(x: Optional[float], fmt: str) -> str:
@@ -227,6 +292,26 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def diloco_table(rows: Sequence[Dict[str, Any]]) -> str:
+    """The DiLoCo rows against the exact cases of the same rate and accumulation, and against their unshaped run."""
+    head = ("| link | accum | case | H | step s | best exact (step s) | / best exact | best peer | / best peer "
+            "| / unshaped | inner step s | sync step s | step / inner | link MB/step | MB/sync | load 1-min |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    at = {(r["rate_mbit"], r["accum"], r["case"]): r for r in rows}
+    for r in rows:
+        if r["case"] not in DILOCO:
+            continue
+        link = f"{r['rate_mbit']:g} Mbit/s" if r["rate_mbit"] else "unshaped"
+        best = at.get((r["rate_mbit"], r["accum"], r["best_exact"]))
+        lines.append(f"| {link} | {r['accum']} | {r['case']} | {r['sync_every']} | {r['step_s']:.2f} | "
+                     f"{r['best_exact'] or '—'} ({_f(best and best['step_s'], '.2f')}) | "
+                     f"{_f(r['vs_best_exact'], '.2f')} | {r['best_peer'] or '—'} | {_f(r['vs_best_peer'], '.2f')} | "
+                     f"{_f(r['vs_unshaped'], '.2f')} | {r['inner_step_s']:.2f} | {r['sync_step_s']:.2f} | "
+                     f"{r['vs_inner']:.2f} | {r['link_bytes'] / 1e6:.1f} | "
+                     f"{r['link_bytes_per_sync'] / 1e6:.1f} | {r['load1'][0]:.1f}-{r['load1'][1]:.1f} |")
+    return "\n".join(lines)
+
+
 def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -241,7 +326,8 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
             pts = [(rates.index(r["rate_mbit"]), r["step_s"]) for r in rows
                    if r["case"] == case and r["accum"] == accum]
             if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", label=case, color=f"C{CASES.index(case)}")
+                ax.plot(*zip(*sorted(pts)), marker="o", label=case, color=f"C{CASES.index(case)}",
+                        ls="--" if case in DILOCO else "-")
         floor = [(rates.index(r["rate_mbit"]), r["floor_s"]) for r in rows
                  if r["case"] == "mics_host" and r["accum"] == accum and r["floor_s"]]
         if floor:
@@ -274,6 +360,14 @@ def report(folder: Path, command: str) -> List[Dict[str, Any]]:
             f"GPT {n / 1e6:.1f}M parameters, AdamW, fp32, 4 ranks on 2 hosts; {len(records)} runs, 1-minute load "
             f"average {min(loads):.1f} to {max(loads):.1f}. Best peer: the fastest of {', '.join(PEERS)}.", "",
             table(rows), ""]
+    if any(r["case"] in DILOCO for r in rows):
+        h = sorted({r["sync_every"] for r in rows if r["case"] in DILOCO})
+        text += [f"DiLoCo (H = {', '.join(map(str, h))}), each mean step over whole windows with their syncs "
+                 "([Note: DiLoCo's timed window] in benchmarks/cluster.py); best exact: the fastest case that is "
+                 "exact data parallelism (every case but DiLoCo's); / unshaped: against the same case on the "
+                 "unshaped link; inner and sync step: the slowest rank's mean over the window's steps without and "
+                 "with a sync, from the same run; step / inner: the mean step over the inner steps' mean, which "
+                 "holds the same load as the run:", "", diloco_table(rows), ""]
     if any("link_span_s" in r for r in rows):
         text += ["What holds the step ([Note: what holds a step] in benchmarks/timeline.py), medians over ranks and "
                  "timed steps:", "", phases_table(rows), ""]

@@ -20,6 +20,12 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
   mics_twohop_q8  mics_twohop with ``quantize_allgather=True``: the gather's cross-host hop in int8 blocks
   mics_host_os_q8 mics_host_os with ``quantize_gradients="error_feedback"``: the reduce-scatter and the rows'
                   change in int8 blocks ([Note: quantized optimizer rows] in lightning_mics/engine/optimizer_rows.py)
+  mics_host_diloco    mics_host with ``replica_sync="diloco", sync_every=H`` (``--sync-every``, the outer SGD's
+                      defaults): inside a window nothing crosses the hosts (each host's shard group trains alone);
+                      every H-th optimizer step ends with the pseudo-gradients' all-reduce between the hosts
+                      ([Note: DiLoCo across replica groups] in lightning_mics/options.py). Not exact data
+                      parallelism: the other cases are its exact peers
+  mics_host_diloco_q8 mics_host_diloco with ``quantize_gradients=True``: the pseudo-gradients in int8 blocks
 The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
 
 [Note: the benchmark's communication clock]
@@ -56,7 +62,8 @@ for p in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, p)
 
 CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop", "mics_host_os", "mics_host_q8",
-         "mics_twohop_q8", "mics_host_os_q8")
+         "mics_twohop_q8", "mics_host_os_q8", "mics_host_diloco", "mics_host_diloco_q8")
+DILOCO = tuple(c for c in CASES if "_diloco" in c)  # the replica groups apart between syncs: not exact
 RANKS_PER_HOST = 2
 # collective -> index of the positional argument holding its larger buffer (the output of a gather, the input of
 # a reduce-scatter); every one of them takes ``group`` and ``async_op`` keywords
@@ -207,7 +214,7 @@ def make_module(case: str, args: argparse.Namespace):
     return Net()
 
 
-def make_strategy(case: str, clock: CommClock):
+def make_strategy(case: str, clock: CommClock, sync_every: int = 16):
     if case == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -219,6 +226,10 @@ def make_strategy(case: str, clock: CommClock):
                                      process_group_backend="gloo")
     from lightning_mics import MiCSStrategy
 
+    if case in DILOCO:
+        return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
+                            param_persistence_threshold=0, replica_sync="diloco", sync_every=sync_every,
+                            quantize_gradients=case.endswith("_q8"))
     if case.startswith("mics_host"):
         os, q8 = "_os" in case, case.endswith("_q8")
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
@@ -247,6 +258,7 @@ def run(args: argparse.Namespace) -> None:
             self.conn: Any = None
             self.comm: List[Dict[str, Any]] = []
             self.telemetry: List[Dict[str, float]] = []
+            self.outer_steps: List[int] = []  # DiLoCo: the engine's outer syncs so far, at each step's end
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             if case == "ddp":  # Lightning registers comm hooks on CUDA only
@@ -260,6 +272,8 @@ def run(args: argparse.Namespace) -> None:
             clock.stamp("step", "", trainer.global_step)
             self.comm.append(clock.take())
             self.telemetry.append(dict(getattr(trainer.strategy, "comm_stats", {}) or {}))
+            if case in DILOCO:
+                self.outer_steps.append(trainer.strategy.engine.outer.outer_steps)
             if args.marks and trainer.global_step in (args.warmup, steps):  # [Note: step marks]
                 dist.barrier()
                 if dist.get_rank() == 0:
@@ -275,13 +289,14 @@ def run(args: argparse.Namespace) -> None:
     timer = StepClock()
     module = make_module(case, args)
     trainer = L.Trainer(accelerator="cpu", devices=RANKS_PER_HOST, num_nodes=2, max_steps=steps,
-                        accumulate_grad_batches=args.accum, strategy=make_strategy(case, clock), logger=False,
+                        accumulate_grad_batches=args.accum, strategy=make_strategy(case, clock, args.sync_every), logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=args.batch))
     out = dict(rank=trainer.global_rank, case=case, ends=timer.ends, resumes=timer.resumes, comm=timer.comm,
                telemetry=timer.telemetry, n_params=module.n_params, global_step=trainer.global_step,
-               timeline=clock.timeline)
+               timeline=clock.timeline, outer_steps=timer.outer_steps, sync_every=args.sync_every,
+               package=sys.modules[type(trainer.strategy).__module__].__file__ if case.startswith("mics") else None)
     Path(args.out, f"rank{trainer.global_rank}.json").write_text(json.dumps(out))
 
 
@@ -294,8 +309,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4, help="micro-batch (sequences) per rank")
-    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run")
+    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per run (benchmarks/cluster.py: "
+                    "of the exact cases; a DiLoCo case times --windows x --sync-every)")
     ap.add_argument("--warmup", type=int, default=1, help="optimizer steps before the timed ones (>= 1)")
+    ap.add_argument("--sync-every", type=int, default=16,
+                    help="H of the DiLoCo cases: optimizer steps between outer syncs")
     ap.add_argument("--timeline", action="store_true",
                     help="stamp every collective's issue, completion and wait in rank<k>.json (benchmarks/timeline.py)")
     return ap

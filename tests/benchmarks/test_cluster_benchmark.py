@@ -182,6 +182,44 @@ def test_the_step_after_the_window_mark_is_not_timed():
     assert row["steps"] == 3 and row["step_s"] == pytest.approx(2) and row["ar_wait_s"] == 3  # max per step: 0.5, 3, 2
 
 
+def test_diloco_windows_ratios_and_table():
+    """[Note: DiLoCo's timed window] in benchmarks/cluster.py: a DiLoCo case times k x H steps, refuses a warm-up
+    that makes the untimed step a sync step; its row holds the sync counts and bytes per sync, its ratios the best
+    exact case (the MiCS ones too) and the same case on the unshaped link."""
+    a = cluster.parse_args(["--sync-every", "4", "--windows", "2", "--steps", "3"])
+    assert [cluster.case_steps(c, a) for c in ("ddp", "mics_host_diloco", "mics_host_diloco_q8")] == [3, 8, 8]
+    for bad in (["--sync-every", "4", "--warmup", "3"], ["--windows", "0"], ["--sync-every", "0"]):
+        with pytest.raises(SystemExit):
+            cluster.parse_args(bad)
+    cluster.parse_args(["--sync-every", "4", "--warmup", "3", "--cases", "ddp"])  # no DiLoCo case: no sync to miss
+    recs = [_record("fsdp2_hsdp", 100.0, [[4] * 4], [[10e6, 10e6]], [[1] * 4]),
+            _record("mics_host_q8", 100.0, [[2] * 4], [[3e6, 3e6]], [[1] * 4]),
+            _record("mics_host_diloco", 100.0, [[1] * 4] * 2 + [[3] * 4, [1] * 4], [[6e6, 5e6]], [[0] * 4] * 4),
+            _record("mics_host_diloco", 0.0, [[1] * 4] * 4, [[6e6, 5e6]], [[0] * 4] * 4)]
+    for rec in recs:
+        rec["timed_from"] = 2  # every step below timed
+    for rec in recs[2:]:
+        rec.update(sync_every=4, windows=1)
+    rows = {(r["case"], r["rate_mbit"]): r for r in cluster.summarize(recs)}
+    dl = rows[("mics_host_diloco", 100.0)]
+    assert dl["step_s"] == pytest.approx(1.5) and dl["syncs_timed"] == 1 and dl["link_window_steps"] == 5
+    assert dl["link_bytes_per_sync"] == pytest.approx(30e6)  # 6 MB per step over the 5 steps of the link's window
+    # timed steps 2..5, the sync at step 4 (H = 4): the third timed step
+    assert (dl["inner_step_s"], dl["sync_step_s"], dl["vs_inner"]) == pytest.approx((1, 3, 1.5))
+    recs[2]["outer_steps"] = [0, 0, 0, 1, 1]  # the engine's counter (syncs by each step's end) says the same
+    assert cluster.summarize(recs)[2]["sync_step_s"] == pytest.approx(3)
+    recs[2]["outer_steps"] = [0, 0, 0, 0, 1]  # where it says so, the counter decides: then step 5 synced
+    assert cluster.summarize(recs)[2]["sync_step_s"] == pytest.approx(1)
+    assert dl["best_exact"] == "mics_host_q8" and dl["vs_best_exact"] == pytest.approx(0.75)
+    assert dl["best_peer"] == "fsdp2_hsdp" and dl["vs_best_peer"] == pytest.approx(0.375)
+    assert dl["vs_unshaped"] == pytest.approx(1.5) and rows[("mics_host_diloco", 0.0)]["vs_unshaped"] == 1
+    assert rows[("fsdp2_hsdp", 100.0)]["best_exact"] == "mics_host_q8"
+    text = cluster.diloco_table(list(rows.values()))
+    assert "| 100 Mbit/s | 1 | mics_host_diloco | 4 | 1.50 | mics_host_q8 (2.00) | 0.75 | fsdp2_hsdp | 0.38 | 1.50 " \
+        "| 1.00 | 3.00 | 1.50 | 6.0 | 30.0 |" in text
+    assert [line.split(" | ")[2] for line in text.splitlines()[2:]] == ["mics_host_diloco"] * 2  # DiLoCo rows only
+
+
 # -- one small real run on two hosts --------------------------------------------------------------------------------
 def _namespaces_or_skip():
     if shutil.which("ip") is None or shutil.which("tc") is None:
