@@ -31,12 +31,14 @@ SLOW_FIRST = [
     "tests/benchmarks/test_gpu_checks.py",  # 68 s
     "tests/app/test_train_app.py",  # 68 s
     "tests/project/test_wheel.py",  # 67 s
+    "tests/diloco/test_diloco.py",  # 66 CPU-s (-n 0, 2026-12-02)
     "tests/options/test_bad_inputs.py",  # 62 s
     "tests/engine/test_quantized_training.py",  # 58 s
     "tests/benchmarks/test_cluster_benchmark.py",  # 57 s
     "tests/kernels/test_kernel_tables.py",  # 57 s
     "tests/checkpoint/test_sharded_checkpoint.py",  # 53 s
     "tests/engine/test_equivalence.py",  # 52 s
+    "tests/fault_tolerance/test_ft_diloco.py",  # with tests/diloco: 95 CPU-s, 100 s of wall (-n 0, 2026-12-02)
     "tests/user_code/test_masters_moved.py",  # 51 s
     "tests/checkpoint/test_checkpoint_beside.py",  # 47 s
     "tests/kernels/test_quant_kernels.py",  # 45 s
