@@ -103,9 +103,10 @@ def _command(kind, options, extra, out):
                 "trainer.max_steps=2", f"hydra.run.dir={out}/hydra"]
     args = [str(SCRIPT), *_script_args(options, extra, out)]
     if kind == TORCHRUN:  # torchrun ends the other ranks (SIGTERM) at its first look after one fails (every 0.1 s
-        # by default): a rank a second behind under load is ended before it refuses. Looking every 5 s lets
-        # every rank show its own refusal, which is what this table checks; the job still ends within 5 s of it.
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--monitor-interval", "5",
+        # by default): a rank behind under load is ended before it refuses (5 s was too short once, in a fresh
+        # clone's run beside another job). Looking every 10 s lets every rank show its own refusal, which is
+        # what this table checks; the job still ends within 10 s of it.
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--monitor-interval", "10",
                 "--master-port", str(free_port()), *args]
     return [sys.executable, *args]
 
