@@ -15,12 +15,13 @@ same collectives in the same order on every rank, so a prefetch in flight is mat
 [Note: a failure on every rank]
 A failure on *every* rank alike (the same error at the same step) must leave the groups alone: the user may catch
 it and ``fit`` again in the same process, as under DDP. So on an exception each rank adds one to a counter in the
-default group's store (a TCP key-value store, not a collective: it answers while the groups are blocked) and
-waits up to ``GRACE_S`` for it to reach the world size. Every rank failed: the groups stay. Not all within the
-grace, or the store is gone (its host died): a lone failure. Ranks that fail alike reach their exception within a
-step of each other (every unit's gather keeps them in lockstep), far below the grace. The engine is put back after
-that answer: after a failure alike it may still wait, bounded, for what every rank issued
-([Note: rows when a run ends] in optimizer_rows.py); after a lone one it waits for nothing.
+default group's store (a TCP key-value store, not a collective: it answers while the groups are blocked) and waits
+up to ``GRACE_S`` for it to reach the world size (rank 0, the store's host, then waits for every rank to have seen
+it). Every rank failed: the groups stay. Not all within the grace, or the store is gone (its host died): a lone
+failure. Ranks that fail alike reach their exception within a step of each other (every unit's gather keeps them in
+lockstep), far below the grace. The engine is put back after that answer: after a failure alike it may still wait,
+bounded, for what every rank issued ([Note: rows when a run ends] in optimizer_rows.py); after a lone one it waits
+for nothing.
 
 [Note: a dead rank on NCCL]
 [Note: a lone failure] holds on gloo, where a peer blocks in a host call. On NCCL a peer blocks on the GPU: its
@@ -73,6 +74,10 @@ def every_rank_failed(grace: float = GRACE_S) -> bool:
         while count < world and time.monotonic() < deadline:
             time.sleep(_POLL_S)
             count = store.add(key, 0)
+        if count >= world:  # the store's host stays until every rank has seen the count, or its peers would
+            store.add(f"{key}/seen", 1)  # read a closed store and take the failure for a lone one
+            while dist.get_rank() == 0 and store.add(f"{key}/seen", 0) < world and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
     except Exception:  # the store's host (rank 0) is gone: a peer failed too, but not this way
         return False
     return count >= world

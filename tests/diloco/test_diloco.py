@@ -6,8 +6,8 @@ residual MLP (tests/diloco/diloco_ranks.py), each run against a single-process s
   H = 2) equal the simulation (the replica groups' inner loops in turn, the same outer step) to fp32 rounding;
 - int8 pseudo-gradients stay within the bound of [Note: the int8 outer bound] (diloco_ranks.py) of the simulation,
   and the quantization did act;
-- under bf16-mixed (the outer step on the fp32 masters) within three times exact sync's own bf16 distance from
-  its fp32 simulation;
+- under bf16-mixed (the outer step on the fp32 masters), blocking and streaming, within three times exact sync's
+  own bf16 distance from its fp32 simulation;
 - nothing crosses the replica groups inside a window: one all-reduce (int8: an all-to-all and an all-gather) on the
   replica group at each sync step, none at the others (the dispatcher's count); exact sync has one per unit per step;
 - streaming fragments ([Note: streaming fragments] in lightning_mics/engine/fragments.py): F = 2 and 3, a delay of
@@ -46,6 +46,9 @@ VARIANTS = [
     {"steps": 6, "replica_sync": "diloco", "sync_every": 6, "sync_fragments": 3, "sync_delay": 1},
     {"steps": 2, "replica_sync": "diloco", "sync_every": 4, "sync_fragments": 2, "sync_delay": 1,
      "fragment_mixing": 0.5, "quantize_gradients": True, "quantization_block_size": 32},
+    # 12 streaming under bf16-mixed: both fragments in flight for a step, mixed, applied to the fp32 masters
+    {"steps": 4, "precision": "bf16-mixed", "replica_sync": "diloco", "sync_every": 4, "sync_fragments": 2,
+     "sync_delay": 1, "fragment_mixing": 0.5},
 ]
 STREAMING = [8, 9, 10, 11]
 LATE = [2, 9, 11]  # run again with every collective 30 ms late: exact-window DiLoCo, streaming, int8 in flight
@@ -118,6 +121,19 @@ def test_bf16_mixed_outer_step_on_the_fp32_masters(runs):
     assert 0 < exact_bf16 < 0.05 and diloco_bf16 <= 3 * exact_bf16 + FP32, (exact_bf16, diloco_bf16)
     assert runs[0]["runs"][7]["params"] == runs[2]["runs"][7]["params"]
     assert runs[1]["runs"][7]["params"] == runs[3]["runs"][7]["params"]
+
+
+def test_bf16_mixed_streaming_fragments_on_the_fp32_masters(runs):
+    """Streaming under bf16-mixed (variant 12: two fragments, each in flight for one inner step and mixed at 0.5), as
+    many steps as the bf16 yardstick (variant 6): within three times exact sync's bf16 distance from its fp32
+    simulation, and the replica groups did not end equal (the mixing keeps each group's progress made in flight)."""
+    exact_bf16 = max(_distance(runs, 6))
+    streaming_bf16 = max(_distance(runs, 12))
+    assert 0 < exact_bf16 < 0.05 and streaming_bf16 <= 3 * exact_bf16 + FP32, (exact_bf16, streaming_bf16)
+    sim = runs[0]["sims"][12]["params"]
+    assert (torch.tensor(sim[0]) - torch.tensor(sim[1])).abs().max().item() > 1e-3
+    for a, b in ((0, 1), (2, 3)):  # the ranks of one replica group hold the same model
+        assert runs[a]["runs"][12]["params"] == runs[b]["runs"][12]["params"]
 
 
 def test_nothing_crosses_the_replica_groups_inside_a_window(runs):
