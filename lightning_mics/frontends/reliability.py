@@ -75,8 +75,9 @@ def every_rank_failed(grace: float = GRACE_S) -> bool:
             time.sleep(_POLL_S)
             count = store.add(key, 0)
         if count >= world:  # the store's host stays until every rank has seen the count, or its peers would
-            store.add(f"{key}/seen", 1)  # read a closed store and take the failure for a lone one
-            while dist.get_rank() == 0 and store.add(f"{key}/seen", 0) < world and time.monotonic() < deadline:
+            seen, host = f"{key}/seen", dist.get_rank() == 0  # read a closed store and take it for a lone failure
+            store.add(seen, 1)
+            while host and store.add(seen, 0) < world and time.monotonic() < deadline:
                 time.sleep(_POLL_S)
     except Exception:  # the store's host (rank 0) is gone: a peer failed too, but not this way
         return False
