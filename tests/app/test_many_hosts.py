@@ -29,7 +29,7 @@ from typing import Callable, Dict, List, Sequence, Tuple
 import pytest
 import torch
 
-from tests.helpers.app import MICS_TINY, TINY, app_env, run_app
+from tests.helpers.app import MICS_TINY, TINY, app_env, run_app_forked
 from tests.helpers.launch import REPO, free_port
 from tests.helpers.netns import HOSTS, namespace_hosts
 
@@ -135,8 +135,8 @@ def test_main_job_on_two_hosts_is_the_job_on_one(two_hosts, tmp_path: Path) -> N
     # the same job on one host, Lightning's launcher, the same layout (s = 1, r = 2) and threads per rank
     one = tmp_path / "one"
     env = dict(app_env(), OMP_NUM_THREADS=str(THREADS), PYTHONPATH=str(REPO))
-    proc = run_app([*args, "trainer.devices=2", "strategy.sharded_data_parallel_degree=1", f"hydra.run.dir={one}"],
-                   cwd=tmp_path, timeout=300, env=env)
+    proc = run_app_forked([*args, "trainer.devices=2", "strategy.sharded_data_parallel_degree=1",
+                           f"hydra.run.dir={one}"], cwd=tmp_path, timeout=300, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     _assert_equal(_state(one / "checkpoints" / "last.ckpt"), _state(run / "checkpoints" / "last.ckpt"))
     alone = json.loads((one / "report.json").read_text())

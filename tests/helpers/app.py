@@ -52,14 +52,16 @@ def run_app(args: List[str], cwd: Path, timeout: float = 150,
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def run_app_forked(args: List[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_app_forked(args: List[str], cwd: Path, timeout: float = 120,
+                   env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """``run_app`` in a process forked from the test launcher's server, which has imported torch, Lightning,
     Hydra and the package (``tests/helpers/launch.py``): the same module run as ``__main__`` with the same
-    arguments, environment and folder, without the interpreter's 10 s of imports (rank 1, which Lightning's
-    launcher starts, is still a fresh interpreter). For mistakes answered before any rank starts, and for runs
-    whose test checks what they compute (a resume against the uninterrupted run), not how the job starts."""
+    arguments, environment and folder, without the interpreter's 7 s of imports; the ranks Lightning's launcher
+    starts are forked from the same server, with the command, environment and folder it gives them. For mistakes
+    answered before any rank starts, and for runs whose test checks what they compute (a resume against the
+    uninterrupted run), not how the job starts."""
     out, err = cwd / "app.stdout", cwd / "app.stderr"
-    proc = start_module(COMMAND[2], args, app_env(), cwd, out, err)
+    proc = start_module(COMMAND[2], args, env or app_env(), cwd, out, err)
     try:
         code = proc.wait(timeout)
     except subprocess.TimeoutExpired:

@@ -10,7 +10,8 @@ Lightning costs about 5 s of CPU per rank, which on this 2-core machine was most
 Each rank is still its own process with its own environment, working folder, ``sys.argv`` and log, running
 the script as ``__main__`` and exiting with its own status. ``fresh=True`` starts fresh interpreters instead,
 for a script that must change something before the package is imported. ``start_module`` runs a module the same
-way, as ``python -m`` would (the app refusing a mistake, ``tests/helpers/app.py``).
+way, as ``python -m`` would (the app refusing a mistake, ``tests/helpers/app.py``); the ranks that Lightning's
+launcher starts from such a module are forked from the same server (``_fork_launched_ranks``).
 """
 
 from __future__ import annotations
@@ -79,19 +80,54 @@ def _context():
     return _forkserver
 
 
-def _redirect(fd_number: int, path: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _redirect(fd_number: int, path: str, truncate: bool = True) -> None:
+    """``fd_number`` to ``path``, appending: a rank forked for this one (``_fork_launched_ranks``) writes the same
+    file, as a child would inherit the descriptor, and neither overwrites the other's lines."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0), 0o644)
     os.dup2(fd, fd_number)
     os.close(fd)
 
 
+class _ForkingPopen:
+    """``subprocess.Popen`` for Lightning's launcher in a forked rank: ``[python, -m, module, *argv]`` (or a
+    script) with the launcher's environment and folder is forked from the preloaded server as ``start_module``
+    forks, writing this rank's stdout and stderr; any other command is a real ``subprocess.Popen``."""
+
+    def __new__(cls, command, env=None, cwd=None, **kwargs):
+        command = [str(c) for c in command]
+        if kwargs or command[0] != sys.executable or len(command) < 2:
+            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+        module = command[1] == "-m"
+        script, argv = (command[2], command[3:]) if module else (command[1], command[2:])
+        outputs = [os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)]
+        p = multiprocessing.get_context("forkserver").Process(
+            target=_rank_main, args=(script, argv, dict(env or os.environ), cwd or os.getcwd(), outputs[0], module,
+                                     outputs[1], False))
+        p.start()
+        multiprocessing.process._children.discard(p)  # not joined at this rank's exit: a Popen is not either
+        return _Forked(p)
+
+
+def _fork_launched_ranks() -> None:
+    """In a forked rank: the ranks Lightning's launcher starts (``Trainer(devices=2)`` run as a module) are forked
+    from the same server instead of being fresh interpreters, saving each one's imports (about 7 CPU-s). The
+    server is this process's parent, so multiprocessing is told not to start one of its own."""
+    import lightning.fabric.strategies.launchers.subprocess_script as fabric_launcher
+    import lightning.pytorch.strategies.launchers.subprocess_script as trainer_launcher
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver._forkserver.ensure_running = lambda: None
+    forking = type("subprocess", (), {"Popen": _ForkingPopen, "__getattr__": lambda self, n: getattr(subprocess, n)})()
+    fabric_launcher.subprocess = trainer_launcher.subprocess = forking
+
+
 def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, log_path: str,
-               module: bool = False, err_path: Optional[str] = None) -> None:
+               module: bool = False, err_path: Optional[str] = None, truncate: bool = True) -> None:
     """Runs in the forked rank: what ``python script argv...`` (``module``: ``python -m script argv...``) would
     do, with stdout to the log and stderr to ``err_path`` (None: the log too)."""
-    _redirect(1, log_path)
+    _redirect(1, log_path, truncate)
     if err_path:
-        _redirect(2, err_path)
+        _redirect(2, err_path, truncate and err_path != log_path)
     else:
         os.dup2(1, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -101,6 +137,7 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, log_
     os.chdir(cwd)
     try:
         if module:  # sys.argv[0] becomes the module's file, sys.path[0] the working folder, as under ``-m``
+            _fork_launched_ranks()
             sys.argv = ["-m", *argv]
             sys.path.insert(0, cwd)
             runpy.run_module(script, run_name="__main__", alter_sys=True)
@@ -115,6 +152,11 @@ def _rank_main(script: str, argv: List[str], env: Dict[str, str], cwd: str, log_
 class _Forked:
     def __init__(self, proc) -> None:
         self.proc = proc
+        self.pid = proc.pid
+
+    def send_signal(self, signum: int) -> None:
+        if self.proc.exitcode is None:
+            os.kill(self.pid, signum)
 
     def poll(self) -> Optional[int]:
         return self.proc.exitcode
