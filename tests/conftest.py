@@ -17,11 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # listed keeps its place after these, and a stale figure only costs time).
 SLOW_FIRST = [
     "tests/trainer/test_lightning_compat.py",  # 160 s
+    "tests/engine/test_compile.py",  # 126 s: one launch of 20 compiled cases (2026-12-02)
     "tests/trainer/test_reliability.py",  # 118 s
     "tests/app/test_app_progress.py",  # 114 s
     "tests/benchmarks/test_gpu_ready.py",  # 103 s
     "tests/fault_tolerance/test_fault_tolerance.py",  # 96 s
     "tests/app/test_many_hosts.py",  # 92 s
+    "tests/fabric/test_fabric_litgpt.py",  # 67 s (2026-12-02)
     "tests/trainer/test_weight_averaging.py",  # 87 s
     "tests/comm/test_late_collectives.py",  # 84 s
     "tests/user_code/test_writes_between_steps.py",  # 76 s

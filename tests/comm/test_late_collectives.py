@@ -17,8 +17,10 @@ pytestmark = pytest.mark.distributed
 EQUIV = REPO / "tests" / "engine" / "equiv.py"
 FABRIC = REPO / "tests" / "fabric" / "fabric_loop.py"
 BLOCK = "lightning_mics.app.models.gpt.Block"
-BASE = ["--model", "gpt", "--optimizer", "adamw", "--threshold", "0", "--layers", "3", "--steps", "3",
+BASE = ["--model", "gpt", "--optimizer", "adamw", "--threshold", "0", "--layers", "3", "--steps", "2",
         "--accum", "2", "--clip", "1.0", "--late", "0.03", "--keep-groups"]
+STEPS = int(BASE[BASE.index("--steps") + 1])  # the optimizer steps every run takes (the second one
+# is the first with the optimizer's state and the residuals of a step before it)
 
 FP32 = [
     {"s": 2, "prefetch": 2},
@@ -53,7 +55,7 @@ def _check_trainer(res, variants):
         run = res[0]["variants"][k]
         assert "error" not in run, run.get("error")
         late = run["late"]
-        assert late["global_step"] == 3
+        assert late["global_step"] == STEPS
         assert sum(late["issued"].values()) > 0, (v, late)  # the async collectives did run late
         assert late["keys_match"] and late["bit_equal"], (v, late)
         for r in res:

@@ -114,16 +114,17 @@ def test_checkpoint_resumes_with_the_committed_steps(tmp_path):
 
 
 def test_the_main_job_under_fault_tolerance(tmp_path):
-    """``lightning-mics-train strategy.fault_tolerance=true`` as two torchrun jobs: both groups end at the last step
-    with the same validation loss (bit-equal models), the quorum in the progress bar and a quorum line in the
-    report."""
+    """``lightning-mics-train strategy.fault_tolerance=true`` as two replica groups of 2 ranks each: both groups end
+    at the last step with the same validation loss (bit-equal models), the quorum in the progress bar and a quorum
+    line in the report. The ranks are forked with the environment torchrun gives its workers (what the groups
+    compute is checked here; the lost-host tests below start every group as a torchrun job)."""
     ports = [free_port() for _ in range(2)]
     with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
         job.lighthouse(min_replicas=2)
         for g in range(2):
             job.start(g, ["strategy.fault_tolerance=true", "trainer.max_steps=12", "trainer.val_check_interval=6",
                           "data.max_bytes=300000", "model.n_layer=2", "callbacks.progress_bar.refresh_rate=1",
-                          f"hydra.run.dir={tmp_path / f'run{g}'}"], module="lightning_mics.app.train")
+                          f"hydra.run.dir={tmp_path / f'run{g}'}"], module="lightning_mics.app.train", forked=True)
         codes = [job.wait(g, timeout=400) for g in range(2)]
         logs = [job.log(job.current(g)) for g in range(2)]
     assert codes == [0, 0], "\n".join(f"--- group {g} (exit {c}) ---\n{t[-4000:]}" for g, (c, t) in

@@ -117,7 +117,7 @@ class FTJob:
     def start(self, group: int, args: Sequence[str], groups: int = 2, script: Path = SCRIPT,
               module: Optional[str] = None, forked: bool = False) -> subprocess.Popen:
         """Group ``group`` as a torchrun job of ``nproc`` ranks on its host (its launch number in the log name);
-        ``forked``: its ranks forked from the test launcher's server instead (no host of its own, no module)."""
+        ``forked``: its ranks forked from the test launcher's server instead (no host of its own)."""
         n = self.launches.get(group, 0)
         self.launches[group] = n + 1
         host, addr = self.hosts[group], self.addrs[group]
@@ -126,20 +126,22 @@ class FTJob:
         if host is not None:
             env["GLOO_SOCKET_IFNAME"] = host
         if forked:
-            assert host is None and module is None, "a forked group runs a script on this host"
-            return self._start_forked(f"group{group}_{n}", group, script, args, addr,
-                                      self.base_port + 10 * group + n, env)
+            assert host is None, "a forked group runs on this host"
+            return self._start_forked(f"group{group}_{n}", group, module or script, args, addr,
+                                      self.base_port + 10 * group + n, env, module is not None)
         target = ["-m", module] if module else [str(script)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nproc),
                "--master-addr", addr, "--master-port", str(self.base_port + 10 * group + n), *target, *args]
         self.started_at.setdefault(group, []).append(time.time())
         return self._popen(f"group{group}_{n}", host, cmd, _env(env))
 
-    def _start_forked(self, name: str, group: int, script: Path, args: Sequence[str], addr: str, port: int,
-                      extra: Dict[str, str]) -> _ForkedGroup:
+    def _start_forked(self, name: str, group: int, script, args: Sequence[str], addr: str, port: int,
+                      extra: Dict[str, str], module: bool = False) -> _ForkedGroup:
         """The ranks of a torchrun job of ``nproc`` workers on one node, forked (rank r logs to ``name``.log for
-        rank 0, ``name``_r<r>.log for the others); the first rank hosts the store, as Lightning's ranks do."""
+        rank 0, ``name``_r<r>.log for the others); the first rank hosts the store, as Lightning's ranks do.
+        ``module``: ``script`` is a module run as ``python -m`` runs it."""
         from tests.helpers.launch import start as start_rank
+        from tests.helpers.launch import start_module
 
         ranks = []
         for rank in range(self.nproc):
@@ -147,7 +149,10 @@ class FTJob:
                             GROUP_RANK="0", ROLE_RANK=str(rank), LOCAL_WORLD_SIZE=str(self.nproc),
                             WORLD_SIZE=str(self.nproc), MASTER_ADDR=addr, MASTER_PORT=str(port)))
             log = self.out / (f"{name}.log" if rank == 0 else f"{name}_r{rank}.log")
-            ranks.append(start_rank(script, list(args), env, self.out, log))
+            if module:
+                ranks.append(start_module(script, list(args), env, self.out, log, log))
+            else:
+                ranks.append(start_rank(script, list(args), env, self.out, log))
         self.started_at.setdefault(group, []).append(time.time())
         proc = _ForkedGroup(ranks)
         self.procs[name] = proc
