@@ -127,19 +127,19 @@ class FTJob:
             env["GLOO_SOCKET_IFNAME"] = host
         if forked:
             assert host is None, "a forked group runs on this host"
-            return self._start_forked(f"group{group}_{n}", group, module or script, args, addr,
-                                      self.base_port + 10 * group + n, env, module is not None)
+            return self._start_forked(f"group{group}_{n}", group, script, args, addr,
+                                      self.base_port + 10 * group + n, env, module)
         target = ["-m", module] if module else [str(script)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nproc),
                "--master-addr", addr, "--master-port", str(self.base_port + 10 * group + n), *target, *args]
         self.started_at.setdefault(group, []).append(time.time())
         return self._popen(f"group{group}_{n}", host, cmd, _env(env))
 
-    def _start_forked(self, name: str, group: int, script, args: Sequence[str], addr: str, port: int,
-                      extra: Dict[str, str], module: bool = False) -> _ForkedGroup:
+    def _start_forked(self, name: str, group: int, script: Path, args: Sequence[str], addr: str, port: int,
+                      extra: Dict[str, str], module: Optional[str] = None) -> _ForkedGroup:
         """The ranks of a torchrun job of ``nproc`` workers on one node, forked (rank r logs to ``name``.log for
         rank 0, ``name``_r<r>.log for the others); the first rank hosts the store, as Lightning's ranks do.
-        ``module``: ``script`` is a module run as ``python -m`` runs it."""
+        ``module``: that module run as ``python -m`` runs it, in place of ``script``."""
         from tests.helpers.launch import start as start_rank
         from tests.helpers.launch import start_module
 
@@ -150,7 +150,7 @@ class FTJob:
                             WORLD_SIZE=str(self.nproc), MASTER_ADDR=addr, MASTER_PORT=str(port)))
             log = self.out / (f"{name}.log" if rank == 0 else f"{name}_r{rank}.log")
             if module:
-                ranks.append(start_module(script, list(args), env, self.out, log, log))
+                ranks.append(start_module(module, list(args), env, self.out, log, log))
             else:
                 ranks.append(start_rank(script, list(args), env, self.out, log))
         self.started_at.setdefault(group, []).append(time.time())

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -88,24 +89,22 @@ def _redirect(fd_number: int, path: str, truncate: bool = True) -> None:
     os.close(fd)
 
 
-class _ForkingPopen:
+def _forking_popen(command, env=None, cwd=None, **kwargs):
     """``subprocess.Popen`` for Lightning's launcher in a forked rank: ``[python, -m, module, *argv]`` (or a
     script) with the launcher's environment and folder is forked from the preloaded server as ``start_module``
     forks, writing this rank's stdout and stderr; any other command is a real ``subprocess.Popen``."""
-
-    def __new__(cls, command, env=None, cwd=None, **kwargs):
-        command = [str(c) for c in command]
-        if kwargs or command[0] != sys.executable or len(command) < 2:
-            return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
-        module = command[1] == "-m"
-        script, argv = (command[2], command[3:]) if module else (command[1], command[2:])
-        outputs = [os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)]
-        p = multiprocessing.get_context("forkserver").Process(
-            target=_rank_main, args=(script, argv, dict(env or os.environ), cwd or os.getcwd(), outputs[0], module,
-                                     outputs[1], False))
-        p.start()
-        multiprocessing.process._children.discard(p)  # not joined at this rank's exit: a Popen is not either
-        return _Forked(p)
+    command = [str(c) for c in command]
+    if kwargs or command[0] != sys.executable or len(command) < 2:
+        return subprocess.Popen(command, env=env, cwd=cwd, **kwargs)
+    module = command[1] == "-m"
+    script, argv = (command[2], command[3:]) if module else (command[1], command[2:])
+    outputs = [os.readlink(f"/proc/self/fd/{fd}") for fd in (1, 2)]
+    p = multiprocessing.get_context("forkserver").Process(
+        target=_rank_main, args=(script, argv, dict(env or os.environ), cwd or os.getcwd(), outputs[0], module,
+                                 outputs[1], False))
+    p.start()
+    multiprocessing.process._children.discard(p)  # not joined at this rank's exit: a Popen is not either
+    return _Forked(p)
 
 
 def _fork_launched_ranks() -> None:
@@ -117,7 +116,7 @@ def _fork_launched_ranks() -> None:
     import multiprocessing.forkserver
 
     multiprocessing.forkserver._forkserver.ensure_running = lambda: None
-    forking = type("subprocess", (), {"Popen": _ForkingPopen, "__getattr__": lambda self, n: getattr(subprocess, n)})()
+    forking = types.SimpleNamespace(**{**vars(subprocess), "Popen": _forking_popen})
     fabric_launcher.subprocess = trainer_launcher.subprocess = forking
 
 
