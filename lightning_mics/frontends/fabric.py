@@ -76,9 +76,6 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if self.options.tensor_parallel_degree != 1:
             _fail("tensor_parallel_degree", self.options.tensor_parallel_degree,
                   "1 (a tensor-parallel plan is applied by the Trainer strategy's configure_model)")
-        if self.options.fault_tolerance and self.options.replica_sync == "diloco":
-            _fail("replica_sync", "diloco", "'exact' with fault_tolerance=True under Fabric (a joining group would "
-                  "need the loop's inner step count, which Fabric's loop keeps; the Trainer's strategy takes it)")
         resolve_classes(self.options.shard_units, "shard_units")
         resolve_classes(self.options.activation_checkpointing, "activation_checkpointing")
         self._process_group_backend = process_group_backend
@@ -192,7 +189,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self.fault_tolerance = FaultTolerance(self.root_device, self.options.timeout,
                                                  self.options.reduce_bucket_size)
         self.fault_tolerance.attach(engine, self._optimizers)
-        self.fault_tolerance.quorum()
+        self.fault_tolerance.quorum(now=True)  # under DiLoCo too: a joining group waits here for its peers' sync
 
     @override
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
@@ -226,9 +223,14 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if engine is not None and kwargs.get("closure") is not None:
             kwargs["closure"], step = engine.user_code.evaluations(kwargs["closure"]), engine.user_code.closure_step()
         with step:
-            if self.fault_tolerance is not None:  # [Note: a step not taken] in fault_tolerance/groups.py; next quorum now
-                out = super().optimizer_step(optimizer, **kwargs) if self.fault_tolerance.commit() else None
-                self.fault_tolerance.quorum()
+            ft = self.fault_tolerance
+            if ft is not None and ft.outer is not None:  # [Note: DiLoCo across fault-tolerant groups]: the sync's
+                out = super().optimizer_step(optimizer, **kwargs)  # decision is in the step; the quorum is formed
+                ft.stepped()  # only when the next step is a sync step
+                ft.quorum()
+            elif ft is not None:  # [Note: a step not taken] in fault_tolerance/groups.py; the next quorum now
+                out = super().optimizer_step(optimizer, **kwargs) if ft.commit() else None
+                ft.quorum()
             else:
                 out = super().optimizer_step(optimizer, **kwargs)
         self._steps += 1

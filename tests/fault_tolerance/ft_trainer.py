@@ -3,10 +3,11 @@ or one plain process: a small GPT trained with AdamW on fixed token batches, eac
 the strategy's ``distributed_sampler_kwargs``.
 
     --mode ft        MiCSStrategy(fault_tolerance=True) under torchft's environment (Trainer)
-    --mode fabric    the same under Fabric, a hand-written loop that resumes at the committed step
+    --mode fabric    the same under Fabric, a hand-written loop that resumes at ``fault_tolerance.step_count``
     --mode mics      MiCSStrategy without fault tolerance (the same global batches over all ranks)
+    --mode fabric-mics  the Fabric loop's batches under Fabric's MiCSStrategy without fault tolerance
     --mode plain     one process, the global batch of every step
-    --diloco H       replica_sync="diloco", sync_every=H (ft and mics; the outer defaults)
+    --diloco H       replica_sync="diloco", sync_every=H (all but plain; the outer defaults)
 
 Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step, the quorum's summary) and,
 with ``--record``, ``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum,
@@ -111,7 +112,7 @@ class Record(L.Callback):
             line = {"t": time.time(), "step": trainer.global_step,
                     "quorum": log.participants[-1] if log and log.participants else None,
                     "committed": log.committed[-1] if log and log.committed else True,
-                    "committed_steps": ft.step_count if ft is not None else trainer.global_step}
+                    "committed_steps": ft.group.step if ft is not None else trainer.global_step}
             outer = trainer.strategy.engine.outer
             if outer is not None:  # DiLoCo: rank 0's masters and anchors (sums), the syncs not taken
                 line.update(masters=sum(m.double().sum().item() for m in outer.masters), dropped=outer.dropped,
@@ -192,6 +193,8 @@ def run_trainer(args, tag):
 
 
 def run_fabric(args, tag):
+    """The Fabric loop: step k reads slice k of this rank's part; under fault tolerance k is the job's position
+    (``step_count``: a group that joins resumes there), and ``--record``/``--pause``/``--hold`` act as ``Record``."""
     fabric = L.Fabric(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                       strategy=FabricMiCS(**strategy_options(args)))
     fabric.launch()
@@ -200,8 +203,11 @@ def run_fabric(args, tag):
     ft = fabric.strategy.fault_tolerance
     data = dataset(args.samples)
     kw = fabric.strategy.distributed_sampler_kwargs
-    while ft.step_count < args.steps:  # the data of a step follows the committed step: a retried step rereads it
-        step = ft.step_count
+    done, held, window = [0], None, max(args.diloco, 1)
+    position = (lambda: ft.step_count) if ft is not None else (lambda: done[0])  # noqa: E731
+    record = Path(args.out) / f"{tag}_steps.jsonl" if args.record and fabric.global_rank == 0 else None
+    while position() < args.steps:  # the data of a step follows the committed step: a retried step rereads it
+        step = position()
         for micro in range(args.accum):
             first = ((step * args.accum + micro) * kw["num_replicas"] + kw["rank"]) * BATCH
             x, y, _ = data[first:first + BATCH]
@@ -209,10 +215,25 @@ def run_fabric(args, tag):
                 fabric.backward(loss_of(model, x, y) / args.accum)
         opt.step()
         opt.zero_grad()
+        done[0] += 1
+        log = ft.group.log if ft is not None else None
+        alone = bool(log and log.participants and log.participants[-1] == 1)
+        if record is not None:
+            with open(record, "a") as f:
+                f.write(json.dumps({"t": time.time(), "step": position(),
+                                    "quorum": log.participants[-1] if log and log.participants else None,
+                                    "committed_steps": ft.group.step if ft is not None else position()}) + "\n")
+        time.sleep(args.pause if args.pause_alone is None or not alone else args.pause_alone)
+        if held is None and args.hold is not None and position() >= args.hold and position() % window == 1 % window:
+            held = position()  # a group a test kills here: the first step from --hold on that opens a window (it
+            time.sleep(120)  # may have joined after step --hold)
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    import lightning_mics
+
+    print(f"[ft_trainer] lightning_mics from {lightning_mics.__file__}", flush=True)
     if fabric.global_rank == 0:
-        torch.save({"params": {k: v.detach().clone() for k, v in state.items()}, "global_step": ft.step_count,
-                    "summary": ft.summary()}, Path(args.out) / f"{tag}.pt")
+        torch.save({"params": {k: v.detach().clone() for k, v in state.items()}, "global_step": position(),
+                    "summary": ft.summary() if ft is not None else None}, Path(args.out) / f"{tag}.pt")
 
 
 def run_plain(args, tag, world):
@@ -241,7 +262,7 @@ def run_plain(args, tag, world):
 def main():
     global OPT, WIDTH, LAYERS
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["ft", "fabric", "mics", "plain"], required=True)
+    ap.add_argument("--mode", choices=["ft", "fabric", "mics", "fabric-mics", "plain"], required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--accum", type=int, default=1)
@@ -254,7 +275,8 @@ def main():
     ap.add_argument("--tag", default=None)
     ap.add_argument("--error-at", type=int, default=None, help="rank 0 reports an error to torchft's Manager at "
                     "its n-th allreduce (the step is then not committed on this group)")
-    ap.add_argument("--hold", type=int, default=None, help="rank 0 sleeps 120 s after this step (to be killed there)")
+    ap.add_argument("--hold", type=int, default=None, help="rank 0 sleeps 120 s after this step (to be killed there; "
+                    "under Fabric after the first step from it on that opens a DiLoCo window)")
     ap.add_argument("--resumable", action="store_true")
     ap.add_argument("--fabric-data", action="store_true", help="--mode plain: the Fabric loop's batches")
     ap.add_argument("--ckpt", default=None)
@@ -270,7 +292,7 @@ def main():
     tag = args.tag or (f"{args.mode}{group}" if args.mode in ("ft", "fabric") else args.mode)
     if args.mode == "plain":
         run_plain(args, tag, args.world)
-    elif args.mode == "fabric":
+    elif args.mode in ("fabric", "fabric-mics"):
         run_fabric(args, tag)
     else:
         run_trainer(args, tag)

@@ -1,4 +1,4 @@
-"""``MiCSStrategy(replica_sync="diloco", fault_tolerance=True)`` under the Trainer, with real processes: a real
+"""``MiCSStrategy(replica_sync="diloco", fault_tolerance=True)`` under the Trainer and Fabric, with real processes: a real
 torchft lighthouse, each replica group (2 ranks, s = 2 inside) a job of its own whose ranks are forked from the test
 launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank script ft_trainer.py beside this file.
 
@@ -9,7 +9,10 @@ launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank
 - a sync not committed on one group (an error reported to its Manager): its masters go back to the anchors, the
   window is dropped, and at the next sync it takes its peer's state; both end bit-equal;
 - a group killed mid-window: the survivor goes on stepping and syncing alone (quorum 1), the group started again
-  takes a live peer's state at a sync step and both end at the last step with bit-equal parameters.
+  takes a live peer's state at a sync step and both end at the last step with bit-equal parameters;
+- under Fabric, the same two groups equal the 4-rank Fabric job without fault tolerance bit for bit, and a group
+  killed mid-window and started again takes the inner step count with the state (its loop resumes at the peer's
+  step, a sync step) and ends with its peer.
 
 Bounds such as "within 60 s" are timeouts here, not measured figures.
 """
@@ -133,3 +136,62 @@ def test_a_group_lost_mid_window_rejoins_at_a_sync(tmp_path):
     assert ft1["summary"]["recoveries"] >= 1 and ft0["summary"]["participants_min"] == 1, (ft0["summary"],
                                                                                          ft1["summary"])
     assert ft0["summary"]["peers_healed"] >= 1, ft0["summary"]
+
+
+def test_fabric_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path):
+    """Fabric's strategy, the loop of ft_trainer.py: 2 groups x 2 ranks, H = 3, accumulation 2, 6 steps, against the
+    4-rank Fabric job (s = 2, r = 2) reading the same slices."""
+    steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3"]
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=2)
+        for g in range(2):
+            job.start(g, ["--mode", "fabric", "--out", str(tmp_path), *steps], forked=True)
+        _check(job, [job.wait(g, timeout=400) for g in range(2)])
+    run_ranks(SCRIPT, 4, ["--mode", "fabric-mics", "--out", str(tmp_path), *steps], tmp_path, timeout=300,
+              extra_env={"LOCAL_WORLD_SIZE": "4"})
+    f0, f1, ref = (_load(tmp_path / f"{t}.pt") for t in ("fabric0", "fabric1", "fabric-mics"))
+    assert f0["global_step"] == f1["global_step"] == ref["global_step"] == 6
+    assert _differ(f0, f1) == [] and _differ(f0, ref) == []
+    for s in (f0["summary"], f1["summary"]):  # two outer syncs, both committed with both groups
+        assert (s["steps"], s["committed"], s["failed"], s["participants_min"], s["participants_max"],
+                s["committed_steps"]) == (2, 2, 0, 2, 2, 2), s
+
+
+def test_fabric_group_lost_mid_window_rejoins_at_a_sync_with_the_step_count(tmp_path):
+    """Under Fabric, group 1 killed one step into a window (H = 3; its first such step from step 4 on: it may have
+    joined late itself) and started again: it waits in fabric.setup's quorum until group 0's next sync step, takes
+    its state with the inner step count, so its first step is that sync step (quorum 2); both end at step 18
+    bit-equal."""
+    steps = 18
+    args = ["--mode", "fabric", "--out", str(tmp_path), "--steps", str(steps), "--diloco", "3", "--opt", "sgd",
+            "--record", "--pause", "0.2", "--pause-alone", "1.0"]
+    a, b = tmp_path / "fabric0_steps.jsonl", tmp_path / "fabric1_steps.jsonl"
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=1, heartbeat_ms=2000)
+        job.start(0, args, forked=True)
+        job.start(1, [*args, "--hold", "4"], forked=True)
+        wait_for(lambda: job.check() and any(r["step"] >= 4 and r["step"] % 3 == 1 for r in records(b)), 240,
+                 what="group 1 one step into a window, from step 4 on")
+        killed = job.kill(1)
+        before = records(b)[-1]["step"]
+        wait_for(lambda: job.check() and any(r["t"] > killed and r["quorum"] == 1 for r in records(a)), 60,
+                 what="a sync of the surviving group alone")
+        job.start(1, args, forked=True)
+        restarted = job.started_at[1][-1]
+        codes = [job.wait(g, timeout=400) for g in range(2)]
+        _check(job, codes)
+        job.stop_lighthouse()
+    ra, rb = records(a), records(b)
+    assert before >= 4 and before % 3 == 1 and before < steps - 6, before
+    rejoined = next(r for r in rb if r["t"] > restarted)
+    survivor_then = [r["step"] for r in ra if r["t"] < rejoined["t"]]
+    assert rejoined["step"] % 3 == 0 and rejoined["step"] > before and rejoined["quorum"] == 2, rejoined
+    assert rejoined["step"] - 1 in survivor_then, (rejoined, survivor_then)  # it took the peer's count, not its own
+    assert [r["step"] for r in rb if r["t"] > restarted] == list(range(rejoined["step"], steps + 1)), rb
+    assert any(r["t"] > killed and r["quorum"] == 1 and r["step"] % 3 == 0 for r in ra), ra  # the survivor alone
+    f0, f1 = _load(tmp_path / "fabric0.pt"), _load(tmp_path / "fabric1.pt")
+    assert f0["global_step"] == f1["global_step"] == steps
+    assert _differ(f0, f1) == []
+    assert f1["summary"]["recoveries"] >= 1 and f0["summary"]["peers_healed"] >= 1, (f0["summary"], f1["summary"])

@@ -170,9 +170,7 @@ ROWS = [
      ["shard_optimizer_state=True", "allowed is False with replica_sync='diloco'"]),
     ("diloco-error-feedback", BOTH, dict(replica_sync="diloco", quantize_gradients="error_feedback"), {},
      ["quantize_gradients='error_feedback'", "allowed is False or True with replica_sync='diloco'"]),
-    # DiLoCo under fault tolerance runs under the Trainer; what it leaves out
-    ("fabric-diloco-fault-tolerance", FABRIC_INIT, dict(replica_sync="diloco", fault_tolerance=True), {},
-     ["replica_sync='diloco'", "allowed is 'exact' with fault_tolerance=True under Fabric"]),
+    # what DiLoCo under fault tolerance leaves out
     ("diloco-fault-tolerance-int8", BOTH, dict(replica_sync="diloco", fault_tolerance=True, quantize_gradients=True),
      {}, ["quantize_gradients=True", "allowed is False with fault_tolerance=True"]),
     ("diloco-fault-tolerance-fragments", BOTH, dict(replica_sync="diloco", fault_tolerance=True, sync_fragments=2),

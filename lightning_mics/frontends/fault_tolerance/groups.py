@@ -25,21 +25,22 @@ before any batch: if it is behind it takes a live peer's state there, the model'
 learning-rate schedulers' and the fit loop's counters as the peer saved them at its last ``on_train_batch_end``
 (the point a Lightning checkpoint is taken), so its loop resumes at the peer's batch, epoch and global step and
 its sampler reads its own part of the data from there. Under Fabric the first quorum is formed when the optimizer
-is set up and each next one right after a step's commit; the loop's position is the user's
-(``strategy.fault_tolerance.step``: the committed steps).
+is set up and each next one right after a step's commit (under DiLoCo: right after the step before a sync step);
+the loop's position is the user's, read from ``strategy.fault_tolerance.step_count``: the committed steps, or under
+DiLoCo the inner steps, which a joining group takes from its peer.
 
 [Note: DiLoCo across fault-tolerant groups]
 With ``replica_sync="diloco"`` each group's engine runs its inner steps alone (its world is the group: r = 1 inside)
 and nothing crosses the groups inside a window: no quorum, no gradient average, no commit per step. The quorum is
 formed at the first batch of every ``sync_every``-th step (a group's first at ``on_train_start``, wherever its peers
-are); a group behind takes a live peer's state there, as the peer stood after its previous step: masters, inner
-optimizer state, anchors, outer momentum, steps since the sync, the loop's counters
-([Note: joining at the current step]), so it takes that sync step on its own data. At its end ``OuterSync``
-averages the pseudo-gradients (one flat fp32 buffer) over the quorum's groups through the manager (a lost group's
-survivors alone), and ``should_commit`` decides the outer step ([Note: an outer step not taken] in outer_sync.py).
-Taken from torchft: the Manager, its quorum, allreduce, ``should_commit`` and healing; not its DiLoCo class, which
-walks module parameters (here: the engine's flat shards) and forms its quorum after the H-th step, where a joiner
-would take a state from mid-batch.
+are; under Fabric right after the step before it, and at setup); a group behind takes a live peer's state there, as
+the peer stood after its previous step: masters, inner optimizer state, anchors, outer momentum, steps since the
+sync, the inner step count and the loop's counters ([Note: joining at the current step]), so it takes that sync step
+on its own data. At its end ``OuterSync`` averages the pseudo-gradients (one flat fp32 buffer) over the quorum's
+groups through the manager (a lost group's survivors alone), and ``should_commit`` decides the outer step
+([Note: an outer step not taken] in outer_sync.py). Taken from torchft: the Manager, its quorum, allreduce,
+``should_commit`` and healing; not its DiLoCo class, which walks module parameters (here: the engine's flat shards)
+and forms its quorum after the H-th step, where a joiner would take a state from mid-batch.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class FaultTolerance:
         self._extra_load: Optional[Callable[[Dict[str, Any]], None]] = None
         self.quorum_due = True  # [Note: one quorum per step] in comm/managed.py
         self.outer: Optional[OuterSync] = None  # [Note: DiLoCo across fault-tolerant groups]
+        self.inner_steps = 0  # DiLoCo: the job's optimizer steps, committed syncs or not (a peer's, once joined)
         self._closed = False
         atexit.register(self.shutdown)  # Fabric never tears its strategy down: the manager's threads end here
 
@@ -118,11 +120,13 @@ class FaultTolerance:
         assert self.engine is not None
         state = peer.local_state(self.engine, self.optimizers)
         state["extra"] = self._extra_state() if self._extra_state is not None else {}
+        state["inner_steps"] = self.inner_steps
         return state
 
     def _load(self, state: Dict[str, Any]) -> None:
         assert self.engine is not None
         peer.load_local_state(self.engine, self.optimizers, state)
+        self.inner_steps = int(state.get("inner_steps", self.inner_steps))
         if self._extra_load is not None:
             self._extra_load(state.get("extra", {}))
 
@@ -192,7 +196,9 @@ class FaultTolerance:
         commits, ``run_step`` with a closure that returns the closure's result. Under DiLoCo ``run_step`` at once:
         the decision is the outer sync's ([Note: DiLoCo across fault-tolerant groups])."""
         if self.outer is not None:
-            return run_step(closure)
+            out = run_step(closure)
+            self.stepped()
+            return out
         result = closure()
         calls = [0]
 
@@ -207,10 +213,15 @@ class FaultTolerance:
             return run_step(evaluated)
         return result
 
+    def stepped(self) -> None:
+        """Under DiLoCo, after each optimizer step: counted whether or not a sync at its end was committed."""
+        self.inner_steps += 1
+
     @property
     def step_count(self) -> int:
-        """Committed optimizer steps of the job (where a Fabric loop resumes after joining)."""
-        return self.group.step
+        """Where a Fabric loop resumes after joining: the job's committed optimizer steps; under DiLoCo its inner
+        steps (a sync not committed drops its window's update, not the window's steps)."""
+        return self.group.step if self.outer is None else self.inner_steps
 
     # -- reports and the end -----------------------------------------------------------------------------------
     def summary(self) -> Dict[str, Any]:
