@@ -105,8 +105,8 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
     replica all-reduce needs sharded parameters (s > 1) and several replicas (r > 1); the int8 gather hop needs
     the two-hop gather (a sharding group of whole nodes, no tensor-parallel axis, ``hierarchical_allgather``
     not False)."""
-    # (DiLoCo's outer sync quantizes the replicated parameters' pseudo-gradients too: s = 1 acts there)
-    if cfg.quantize_gradients is not False and (s == 1 and cfg.replica_sync != "diloco" or r == 1):
+    diloco = cfg.replica_sync == "diloco"  # acts with s = 1 too; under fault tolerance the groups are its replicas
+    if cfg.quantize_gradients is not False and (s == 1 and not diloco or r == 1 and not (diloco and cfg.fault_tolerance)):
         why = "every parameter stays replicated with s = 1 and their all-reduce is not quantized" if s == 1 else \
             "a single replica (s = the data-parallel size) has no replica all-reduce"
         _fail("quantize_gradients", cfg.quantize_gradients,
@@ -125,10 +125,10 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
 # sees) and the groups meet only through torchft's Manager: a lighthouse forms a quorum of the live groups every
 # optimizer step (with ``replica_sync="diloco"`` every ``sync_every``-th), the shard gradients (the pseudo-gradients)
 # are averaged across the quorum's groups (rank k with rank k: the same shard), and a step (the outer step) commits
-# only if every rank of the group got through it. A layout that needs the same
-# replicas on every step is refused: the optimizer's rows over replicas (``shard_optimizer_state``), int8 replica
-# traffic with its residuals (``quantize_gradients``), and a tensor-parallel axis (never run under it). The
-# front-end glue is ``frontends/fault_tolerance/groups.py``; the managed group, ``comm/managed.py``.
+# only if every rank of the group got through it. A layout that needs the same replicas on every step is refused:
+# the optimizer's rows over replicas (``shard_optimizer_state``), int8 gradients under exact sync (DiLoCo's int8
+# pseudo-gradients have no residuals), and a tensor-parallel axis (never run under it). The front-end glue is
+# ``frontends/fault_tolerance/groups.py``; the managed group, ``comm/managed.py``.
 def check_fault_tolerance(cfg: Any) -> None:
     """The options ``fault_tolerance`` rules out, refused at construction ([Note: fault-tolerant replica groups])."""
     if not isinstance(cfg.fault_tolerance, bool):
@@ -139,10 +139,10 @@ def check_fault_tolerance(cfg: Any) -> None:
         _fail("shard_optimizer_state", True, "False with fault_tolerance=True: the optimizer's rows are cut over a "
               "fixed set of replicas (s > 1) or over every rank (s = 1), while a fault-tolerant job's replica "
               "groups come and go")
-    if cfg.quantize_gradients is not False:
-        _fail("quantize_gradients", cfg.quantize_gradients, "False with fault_tolerance=True: the cross-group "
-              "average (of gradients or pseudo-gradients) goes through torchft's manager unquantized, and residuals "
-              "could not follow a group that leaves or joins")
+    if cfg.quantize_gradients is not False and cfg.replica_sync != "diloco":
+        _fail("quantize_gradients", cfg.quantize_gradients, "False with fault_tolerance=True and exact sync (its "
+              "gradient average is torchft's, unquantized; residuals could not follow a group that leaves or "
+              "joins); True is allowed with replica_sync='diloco'")
     if cfg.tensor_parallel_degree != 1:
         _fail("tensor_parallel_degree", cfg.tensor_parallel_degree, "1 with fault_tolerance=True (a tensor-parallel "
               "axis was never run under it)")

@@ -30,6 +30,10 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.distributed_c10d import AllgatherOptions, AllToAllOptions
+
+import lightning_mics_kernels
+from lightning_mics_kernels._quant_layout import quant_layout
 
 _log = logging.getLogger("lightning.pytorch.strategies.mics")  # shown as Lightning's INFO lines are
 _OPS_TIMEOUT_S = 60  # torchft's default for its collectives, should_commit and the peer transfer
@@ -165,6 +169,37 @@ class ManagedGroup:
         """Starts the average of ``flat`` over the quorum's groups (in place; ``.wait()`` the returned work). An
         error is not raised: torchft records it and ``commit`` returns False."""
         return self.manager.allreduce(flat)
+
+    def quantized_mean(self, flat: Tensor, block_size: int, kernels: str) -> int:
+        """The mean of the fp32 ``flat`` over the quorum's groups through int8 blocks, in place: the two hops of
+        [Note: quantized all-reduce] in quantized.py (an all-to-all of int8 chunks, each group's chunk summed and
+        quantized again, an all-gather) over the manager's process group, so the mean is bit for bit the one
+        ``quantized_all_reduce`` makes over a replica group of the same size. Blocking; returns the bytes this rank
+        received in the first hop (its telemetry). An error is not raised: it is reported to the manager (``commit``
+        is then False) and ``flat`` is left as it is."""
+        if self.manager.errored():
+            return 0
+        self.manager.wait_quorum()
+        r = self.manager.num_participants()
+        if r <= 1 or flat.numel() == 0:
+            return 0
+        try:
+            layout = quant_layout(flat.numel(), block_size, r)
+            sent = lightning_mics_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels).wire
+            recv = torch.empty_like(sent)
+            self.pg.alltoall_base(recv.view(-1), sent.view(-1), [], [], AllToAllOptions()).wait()
+            part = torch.empty(layout.chunk, dtype=torch.float32, device=flat.device)
+            lightning_mics_kernels.dequantize_sum(recv, r, block_size, out=part, backend=kernels)
+            mine = torch.empty(sent.shape[1], dtype=torch.uint8, device=flat.device)
+            lightning_mics_kernels.quantize([part], block_size, backend=kernels, out=mine)
+            rows = torch.empty_like(sent)
+            self.pg.allgather_into_tensor_coalesced([rows.view(-1)], [mine], AllgatherOptions()).wait()
+            lightning_mics_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
+            flat.mul_(1.0 / r)
+            return recv.numel()
+        except Exception as e:  # torchft's allreduce does the same with its errors
+            self.manager.report_error(e)
+            return 0
 
     def commit(self) -> bool:
         """Whether this step is taken: agreed by every rank of the group ([Note: one quorum per step])."""

@@ -7,7 +7,8 @@ the strategy's ``distributed_sampler_kwargs``.
     --mode mics      MiCSStrategy without fault tolerance (the same global batches over all ranks)
     --mode fabric-mics  the Fabric loop's batches under Fabric's MiCSStrategy without fault tolerance
     --mode plain     one process, the global batch of every step
-    --diloco H       replica_sync="diloco", sync_every=H (all but plain; the outer defaults)
+    --diloco H       replica_sync="diloco", sync_every=H (all but plain; the outer defaults); ``--int8``: int8
+                     pseudo-gradients (quantize_gradients=True)
 
 Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step, the quorum's summary) and,
 with ``--record``, ``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum,
@@ -139,7 +140,8 @@ class SaveAtEnd(L.Callback):
 
 class CrossTraffic(L.Callback):
     """Under fault tolerance, every call this group makes to torchft's Manager that crosses the groups (its quorum,
-    its allreduce), with the loop's batch at the call (-1: before the first), counted on the Manager itself."""
+    its allreduce, or the int8 mean over its process group), with the loop's batch at the call (-1: before the
+    first), counted on the Manager itself."""
 
     def __init__(self, error_at=None):
         self.events, self.error_at = [], error_at
@@ -163,10 +165,13 @@ class CrossTraffic(L.Callback):
 
         manager.start_quorum = counted("quorum", manager.start_quorum)
         manager.allreduce = counted("allreduce", manager.allreduce)
+        ft.group.quantized_mean = counted("allreduce", ft.group.quantized_mean)  # int8: over the manager's group
 
 
 def strategy_options(args):
     diloco = {"replica_sync": "diloco", "sync_every": args.diloco} if args.diloco else {}
+    if args.int8:
+        diloco["quantize_gradients"] = True
     return {"sharded_data_parallel_degree": args.s, "param_persistence_threshold": 100,
             "fault_tolerance": args.mode in ("ft", "fabric"), "timeout": 120, **diloco}
 
@@ -286,6 +291,7 @@ def main():
     ap.add_argument("--width", type=int, default=WIDTH)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--diloco", type=int, default=0, help="H: replica_sync='diloco' with sync_every=H (0: exact)")
+    ap.add_argument("--int8", action="store_true", help="quantize_gradients=True (with --diloco: int8 pseudo-gradients)")
     args = ap.parse_args()
     OPT, WIDTH, LAYERS = args.opt, args.width, args.layers
     group = os.environ.get("REPLICA_GROUP_ID")

@@ -3,7 +3,8 @@ torchft lighthouse, each replica group (2 ranks, s = 2 inside) a job of its own 
 launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank script ft_trainer.py beside this file.
 
 - with no failure, two groups (H = 3, accumulation 2) equal each other and the same 4-rank DiLoCo job without fault
-  tolerance (s = 2, r = 2: the job tests/diloco checks against its simulation) bit for bit;
+  tolerance (s = 2, r = 2: the job tests/diloco checks against its simulation) bit for bit, with fp32 and with int8
+  pseudo-gradients;
   the groups meet only at sync steps: torchft's Manager (counted on the Manager itself) forms a quorum at the
   start and at the first batch of each later sync step, and averages one flat buffer at the end of each sync step;
 - a sync not committed on one group (an error reported to its Manager): its masters go back to the anchors, the
@@ -42,9 +43,12 @@ def _check(job, codes):
     assert all(f"lightning_mics from {REPO}" in t for t in logs), "the ranks imported another checkout's package"
 
 
-def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path):
-    """2 groups x 2 ranks, H = 3, accumulation 2, 6 steps (two outer syncs) against the 4-rank job."""
-    steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3"]
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path, int8):
+    """2 groups x 2 ranks, H = 3, accumulation 2, 6 steps (two outer syncs) against the 4-rank job; ``int8``: int8
+    pseudo-gradients (quantize_gradients=True), over the manager's process group in the same two hops as over the
+    4-rank job's replica group."""
+    steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3", *(["--int8"] if int8 else [])]
     ports = [free_port() for _ in range(2)]
     with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
         job.lighthouse(min_replicas=2)

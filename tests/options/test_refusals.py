@@ -171,8 +171,8 @@ ROWS = [
     ("diloco-error-feedback", BOTH, dict(replica_sync="diloco", quantize_gradients="error_feedback"), {},
      ["quantize_gradients='error_feedback'", "allowed is False or True with replica_sync='diloco'"]),
     # what DiLoCo under fault tolerance leaves out
-    ("diloco-fault-tolerance-int8", BOTH, dict(replica_sync="diloco", fault_tolerance=True, quantize_gradients=True),
-     {}, ["quantize_gradients=True", "allowed is False with fault_tolerance=True"]),
+    ("exact-fault-tolerance-int8", BOTH, dict(fault_tolerance=True, quantize_gradients=True),
+     {}, ["quantize_gradients=True", "allowed is False with fault_tolerance=True and exact sync"]),
     ("diloco-fault-tolerance-fragments", BOTH, dict(replica_sync="diloco", fault_tolerance=True, sync_fragments=2),
      {}, ["sync_fragments=2", "allowed is 1 with fault_tolerance=True"]),
     ("diloco-fault-tolerance-delay", BOTH, dict(replica_sync="diloco", fault_tolerance=True, sync_delay=1), {},

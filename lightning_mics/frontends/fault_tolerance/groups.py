@@ -251,9 +251,14 @@ class _OuterAcross:
 
     def average(self, flat: torch.Tensor) -> None:
         started = time.monotonic()
-        self.ft.group.all_reduce_mean(flat).wait()  # an error is recorded, not raised: commit() is then False
+        outer = self.ft.outer
+        if outer is not None and outer.quantize:  # int8 blocks, as over a replica group
+            nbytes = self.ft.group.quantized_mean(flat, outer.block_size, outer.kernels)
+        else:
+            self.ft.group.all_reduce_mean(flat).wait()  # an error is recorded, not raised: commit() is then False
+            nbytes = flat.numel() * flat.element_size()
         if self.ft.engine is not None:
-            self.ft.engine.log.record("all_reduce", "groups", flat.numel() * flat.element_size())
+            self.ft.engine.log.record("all_reduce", "groups", nbytes)
         self.ft.group.log.seconds["average"].append(time.monotonic() - started)
 
     def commit(self) -> bool:
