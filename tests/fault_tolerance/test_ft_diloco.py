@@ -43,20 +43,27 @@ def _check(job, codes):
     assert all(f"lightning_mics from {REPO}" in t for t in logs), "the ranks imported another checkout's package"
 
 
+def _two_groups_and_the_job(tmp_path, mode, reference, args):
+    """Two groups of ``mode`` (min_replicas=2: both in every quorum), then the same loop as one 4-rank job without
+    fault tolerance (``--mode reference``); the three results, group 0's, group 1's and the job's."""
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=2)
+        for g in range(2):
+            job.start(g, ["--mode", mode, "--out", str(tmp_path), *args], forked=True)
+        _check(job, [job.wait(g, timeout=400) for g in range(2)])
+    run_ranks(SCRIPT, 4, ["--mode", reference, *args], tmp_path, timeout=300,
+              extra_env={"LOCAL_WORLD_SIZE": "4"})
+    return [_load(tmp_path / f"{t}.pt") for t in (f"{mode}0", f"{mode}1", reference)]
+
+
 @pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path, int8):
     """2 groups x 2 ranks, H = 3, accumulation 2, 6 steps (two outer syncs) against the 4-rank job; ``int8``: int8
     pseudo-gradients (quantize_gradients=True), over the manager's process group in the same two hops as over the
     4-rank job's replica group."""
     steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3", *(["--int8"] if int8 else [])]
-    ports = [free_port() for _ in range(2)]
-    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
-        job.lighthouse(min_replicas=2)
-        for g in range(2):
-            job.start(g, ["--mode", "ft", "--out", str(tmp_path), *steps], forked=True)
-        _check(job, [job.wait(g, timeout=400) for g in range(2)])
-    run_ranks(SCRIPT, 4, ["--mode", "mics", *steps], tmp_path, timeout=300, extra_env={"LOCAL_WORLD_SIZE": "4"})
-    ft0, ft1, mics = (_load(tmp_path / f"{t}.pt") for t in ("ft0", "ft1", "mics"))
+    ft0, ft1, mics = _two_groups_and_the_job(tmp_path, "ft", "mics", steps)
     assert ft0["global_step"] == ft1["global_step"] == mics["global_step"] == 6
     assert _differ(ft0, ft1) == []
     # bit for bit: the same inner steps in each group, and the mean of two pseudo-gradients is (a + b) / 2 through
@@ -146,15 +153,7 @@ def test_fabric_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path
     """Fabric's strategy, the loop of ft_trainer.py: 2 groups x 2 ranks, H = 3, accumulation 2, 6 steps, against the
     4-rank Fabric job (s = 2, r = 2) reading the same slices."""
     steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3"]
-    ports = [free_port() for _ in range(2)]
-    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
-        job.lighthouse(min_replicas=2)
-        for g in range(2):
-            job.start(g, ["--mode", "fabric", "--out", str(tmp_path), *steps], forked=True)
-        _check(job, [job.wait(g, timeout=400) for g in range(2)])
-    run_ranks(SCRIPT, 4, ["--mode", "fabric-mics", "--out", str(tmp_path), *steps], tmp_path, timeout=300,
-              extra_env={"LOCAL_WORLD_SIZE": "4"})
-    f0, f1, ref = (_load(tmp_path / f"{t}.pt") for t in ("fabric0", "fabric1", "fabric-mics"))
+    f0, f1, ref = _two_groups_and_the_job(tmp_path, "fabric", "fabric-mics", steps)
     assert f0["global_step"] == f1["global_step"] == ref["global_step"] == 6
     assert _differ(f0, f1) == [] and _differ(f0, ref) == []
     for s in (f0["summary"], f1["summary"]):  # two outer syncs, both committed with both groups
