@@ -52,6 +52,7 @@ from lightning_mics.layout.sharding import resolve_classes
 
 _log = logging.getLogger("lightning.fabric.strategies.mics")
 _PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+POSITION = "fault_tolerance"  # [Note: the job's position in Fabric checkpoints] in fault_tolerance/groups.py
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -266,12 +267,19 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     @override
     def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Any]] = None) -> None:
+        if self.fault_tolerance is not None:  # [Note: the job's position in Fabric checkpoints]
+            if POSITION in state:
+                raise ValueError(f"MiCSStrategy(fault_tolerance=True): fabric.save got a state with the key "
+                                 f"{POSITION!r}: allowed are other keys (it holds the job's position).")
+            state = {**state, POSITION: self.fault_tolerance.position()}
         fabric_checkpoint.save(self, path, state, storage_options, filter)
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Any] = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
         remainder = fabric_checkpoint.load(self, path, state, strict, weights_only)
+        if self.fault_tolerance is not None and isinstance(state, dict) and POSITION in remainder:
+            self.fault_tolerance.restore_position(remainder.pop(POSITION), path)
         for engine in self._engines:  # a load released ZeRO-1's pinned units: gathered again from the loaded masters
             engine.pin()
         return remainder

@@ -15,7 +15,8 @@ with ``--record``, ``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer s
 committed) and ``<out>/<tag>_r<rank>_samples.jsonl`` (every rank: the sample indices of each batch), where ``tag``
 is ``--tag`` (default: the mode, with the group id under fault tolerance). ``--resumable``: the training sampler
 starts an epoch at the loop's batch (the main job's, lightning_mics/app/data.py), so a group that joins reads its
-part from the job's position. ``--ckpt DIR``: a sharded checkpoint at the end, in DIR; ``--resume DIR``: from it.
+part from the job's position. ``--ckpt DIR``: a sharded checkpoint at the end, in DIR; ``--resume DIR``: from it (under Fabric
+``fabric.load`` after setup when ``step_count`` is 0, the loop then at the checkpoint's position).
 """
 
 import argparse
@@ -206,6 +207,9 @@ def run_fabric(args, tag):
     model = build()
     model, opt = fabric.setup(model, optimizer(model))
     ft = fabric.strategy.fault_tolerance
+    if args.resume and (ft is None or ft.step_count == 0):  # a group healed at setup resumes from its peer instead
+        fabric.load(args.resume, {"model": model, "optimizer": opt})
+    first_step = ft.step_count if ft is not None else 0
     data = dataset(args.samples)
     kw = fabric.strategy.distributed_sampler_kwargs
     done, held, window = [0], None, max(args.diloco, 1)
@@ -232,13 +236,15 @@ def run_fabric(args, tag):
         if held is None and args.hold is not None and position() >= args.hold and position() % window == 1 % window:
             held = position()  # a group a test kills here: the first step from --hold on that opens a window (it
             time.sleep(120)  # may have joined after step --hold)
+    if args.ckpt:
+        fabric.save(args.ckpt, {"model": model, "optimizer": opt})
     state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     import lightning_mics
 
     print(f"[ft_trainer] lightning_mics from {lightning_mics.__file__}", flush=True)
     if fabric.global_rank == 0:
         torch.save({"params": {k: v.detach().clone() for k, v in state.items()}, "global_step": position(),
-                    "summary": ft.summary() if ft is not None else None}, Path(args.out) / f"{tag}.pt")
+                    "first_step": first_step, "summary": ft.summary() if ft is not None else None}, Path(args.out) / f"{tag}.pt")
 
 
 def run_plain(args, tag, world):

@@ -10,7 +10,8 @@ main job and the lost host start every group with ``torchrun``, as a user does.
 - on two network-namespace hosts, one host's processes killed mid-run: the other group keeps stepping without
   it, the host restarted joins from its live peer at the job's step, both reach the last step with bit-equal
   parameters, every group read only its own part of the data and no sample twice, and no process is left;
-- a checkpoint written under it resumes, with the committed-step count;
+- a checkpoint written under it resumes, with the committed-step count (Trainer), and under Fabric with the
+  loop's position (the committed steps, or DiLoCo's inner steps);
 - the options and environments it rules out are refused before any process or group exists.
 
 Bounds such as "within 60 s" are timeouts here; the measured figures are benchmarks/fault_tolerance.py's.
@@ -111,6 +112,33 @@ def test_checkpoint_resumes_with_the_committed_steps(tmp_path):
     assert _bit_equal(ft0, ft1) == []
     assert _close(ft0, plain) == []
     assert ft0["summary"]["committed_steps"] == 4 and ft0["summary"]["steps"] == 2, ft0["summary"]
+
+
+@pytest.mark.parametrize("sync", ["exact", "diloco"])
+def test_fabric_checkpoint_resumes_at_the_jobs_position(tmp_path, sync):
+    """Fabric: each group saves after 2 steps (``fabric.save``, sharded), both are started again and load theirs
+    after setup; the loop resumes at ``step_count`` = 2 (the manager's committed steps, or under DiLoCo with H = 3 the
+    inner steps, mid-window) and the result equals one plain process of 4 steps (exact) or, bit for bit, the 4-rank
+    Fabric DiLoCo job of 6 steps without fault tolerance."""
+    diloco = ["--diloco", "3"] if sync == "diloco" else []
+    steps = 6 if diloco else 4
+    loop = ["--out", str(tmp_path), "--accum", "2", "--opt", "sgd", *diloco]
+    base = ["--mode", "fabric", *loop]
+    ckpts = [str(tmp_path / f"ckpt{g}") for g in range(2)]
+    _two_groups(tmp_path, [*base, "--steps", "2"], per_group=[["--ckpt", c] for c in ckpts])
+    _two_groups(tmp_path, [*base, "--steps", str(steps)], per_group=[["--resume", c] for c in ckpts])
+    f0, f1 = _load(tmp_path / "fabric0.pt"), _load(tmp_path / "fabric1.pt")
+    assert f0["first_step"] == f1["first_step"] == 2 and f0["global_step"] == f1["global_step"] == steps
+    assert _bit_equal(f0, f1) == []
+    if diloco:
+        _four_ranks(tmp_path, ["--mode", "fabric-mics", *loop, "--steps", str(steps)])
+        assert _bit_equal(f0, _load(tmp_path / "fabric-mics.pt")) == []
+        s = f0["summary"]  # after the resume, the syncs ending steps 3 and 6 (none before the checkpoint)
+        assert (s["steps"], s["committed"], s["committed_steps"]) == (2, 2, 2), s
+    else:
+        _plain(tmp_path, ["--steps", str(steps), "--world", "4", "--opt", "sgd", "--accum", "2", "--fabric-data"])
+        assert _close(f0, _load(tmp_path / "plain.pt")) == []
+        assert f0["summary"]["committed_steps"] == 4 and f0["summary"]["steps"] == 2, f0["summary"]
 
 
 def test_the_main_job_under_fault_tolerance(tmp_path):

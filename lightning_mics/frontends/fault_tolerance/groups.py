@@ -29,6 +29,13 @@ is set up and each next one right after a step's commit (under DiLoCo: right aft
 the loop's position is the user's, read from ``strategy.fault_tolerance.step_count``: the committed steps, or under
 DiLoCo the inner steps, which a joining group takes from its peer.
 
+[Note: the job's position in Fabric checkpoints]
+Under Fabric ``fabric.save`` writes ``position()`` (the manager's committed steps, the inner steps) under the key
+``fault_tolerance`` beside the user's state, and ``fabric.load`` restores it and leaves it out of the remainder, so
+``step_count`` after a load is the checkpoint's: a whole job restarted from disk resumes its loop there, every group
+from its own checkpoint. A group that took a live peer's state past step 0 is refused the load (it would roll back
+the job).
+
 [Note: DiLoCo across fault-tolerant groups]
 With ``replica_sync="diloco"`` each group's engine runs its inner steps alone (its world is the group: r = 1 inside)
 and nothing crosses the groups inside a window: no quorum, no gradient average, no commit per step. The quorum is
@@ -222,6 +229,23 @@ class FaultTolerance:
         """Where a Fabric loop resumes after joining: the job's committed optimizer steps; under DiLoCo its inner
         steps (a sync not committed drops its window's update, not the window's steps)."""
         return self.group.step if self.outer is None else self.inner_steps
+
+    # -- the job's position in a Fabric checkpoint ([Note: the job's position in Fabric checkpoints]) ----------
+    def position(self) -> Dict[str, Any]:
+        """What ``fabric.save`` writes beside the state: the manager's counters and the inner steps."""
+        return {"manager": self.group.state_dict(), "inner_steps": self.inner_steps}
+
+    def restore_position(self, position: Dict[str, Any], path: Any) -> None:
+        """``fabric.load``'s side of ``position``; refused (ValueError, on every rank alike) once this group took a
+        live peer's state past step 0, which is the job's current one and which the checkpoint would roll back (at
+        step 0 every group takes the first group's fresh state: torchft's initial sync)."""
+        if self.group.log.heals and self.step_count > 0:
+            raise ValueError(f"MiCSStrategy(fault_tolerance=True): fabric.load({str(path)!r}) after this group took "
+                             f"a live peer's state at step {self.step_count}: allowed is a load while "
+                             "fault_tolerance.step_count is 0 after fabric.setup; a group that joins running peers "
+                             "resumes from them, not from its checkpoint.")
+        self.group.load_state_dict(position["manager"])
+        self.inner_steps = int(position.get("inner_steps", self.inner_steps))
 
     # -- reports and the end -----------------------------------------------------------------------------------
     def summary(self) -> Dict[str, Any]:
