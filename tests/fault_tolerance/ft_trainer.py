@@ -182,7 +182,7 @@ def run_trainer(args, tag):
     traffic = CrossTraffic(args.error_at)
     trainer = L.Trainer(accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         num_nodes=args.num_nodes, strategy=MiCSStrategy(**strategy_options(args)), max_steps=args.steps,
-                        accumulate_grad_batches=args.accum, logger=False, enable_checkpointing=False,
+                        accumulate_grad_batches=args.accum, precision=args.precision, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[Record(record, args.pause, args.pause_alone, args.hold), SaveAtEnd(args.ckpt),
                                    traffic])
@@ -297,6 +297,7 @@ def main():
     ap.add_argument("--width", type=int, default=WIDTH)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--diloco", type=int, default=0, help="H: replica_sync='diloco' with sync_every=H (0: exact)")
+    ap.add_argument("--precision", default="32-true", help="the Trainer's precision (modes ft and mics)")
     ap.add_argument("--int8", action="store_true", help="quantize_gradients=True (with --diloco: int8 pseudo-gradients)")
     args = ap.parse_args()
     OPT, WIDTH, LAYERS = args.opt, args.width, args.layers

@@ -4,7 +4,7 @@ launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank
 
 - with no failure, two groups (H = 3, accumulation 2) equal each other and the same 4-rank DiLoCo job without fault
   tolerance (s = 2, r = 2: the job tests/diloco checks against its simulation) bit for bit, with fp32 and with int8
-  pseudo-gradients;
+  pseudo-gradients, the latter also under bf16-mixed;
   the groups meet only at sync steps: torchft's Manager (counted on the Manager itself) forms a quorum at the
   start and at the first batch of each later sync step, and averages one flat buffer at the end of each sync step;
 - a sync not committed on one group (an error reported to its Manager): its masters go back to the anchors, the
@@ -57,12 +57,15 @@ def _two_groups_and_the_job(tmp_path, mode, reference, args):
     return [_load(tmp_path / f"{t}.pt") for t in (f"{mode}0", f"{mode}1", reference)]
 
 
-@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
-def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path, int8):
+@pytest.mark.parametrize("int8, precision", [(False, "32-true"), (True, "32-true"), (True, "bf16-mixed")],
+                         ids=["fp32", "int8", "int8-bf16-mixed"])
+def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path, int8, precision):
     """2 groups x 2 ranks, H = 3, accumulation 2, 6 steps (two outer syncs) against the 4-rank job; ``int8``: int8
     pseudo-gradients (quantize_gradients=True), over the manager's process group in the same two hops as over the
-    4-rank job's replica group."""
-    steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3", *(["--int8"] if int8 else [])]
+    4-rank job's replica group; ``bf16-mixed``: the inner steps' compute in bf16, the pseudo-gradients from the fp32
+    masters."""
+    steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "3", "--precision", precision,
+             *(["--int8"] if int8 else [])]
     ft0, ft1, mics = _two_groups_and_the_job(tmp_path, "ft", "mics", steps)
     assert ft0["global_step"] == ft1["global_step"] == mics["global_step"] == 6
     assert _differ(ft0, ft1) == []
