@@ -204,9 +204,6 @@ def check_fragments(cfg: Any) -> None:
     if delay >= cfg.sync_every // frags:
         _fail("sync_delay", delay, f"an integer in [0, {cfg.sync_every // frags - 1}]: less than sync_every / "
               f"sync_fragments = {cfg.sync_every // frags}, so one fragment's sync lands before the next is sent")
-    for name, value, off in (("sync_fragments", frags, 1), ("sync_delay", delay, 0)):
-        if cfg.fault_tolerance and value != off:
-            _fail(name, value, f"{off} with fault_tolerance=True (torchft's manager averages the whole shard, blocking)")
     mix = cfg.fragment_mixing
     if isinstance(mix, bool) or not isinstance(mix, (int, float)) or not 0 <= mix <= 1:
         _fail("fragment_mixing", mix, "a number in [0, 1] (the local parameters' weight against the synced ones)")

@@ -15,11 +15,12 @@ fragments.py).
 
 [Note: an outer step not taken]
 With ``across`` set (fault tolerance: the replica groups are torchrun jobs averaged through torchft's manager), a
-sync ends with the manager's commit decision. When it is False (a group of the quorum failed in the average), this
-group applies no outer step: its masters are set back to the anchors (the last committed sync's model, as torchft's
-DiLoCo restores its original parameters), the anchors and the outer momentum stay as they were, the inner
-optimizer keeps its state, and the window's inner steps stay taken by the loop (its step count, the data it read):
-the window is dropped, not retried. ``outer_steps`` counts committed syncs only, ``dropped`` the others.
+sync (with fragments: each fragment's, at its apply) ends with the manager's commit decision. When it is False (a
+group of the quorum failed in the average), this group applies no outer step: the masters synced (the fragment's) are
+set back to their anchors (the last committed sync's model, as torchft's DiLoCo restores its original parameters),
+the anchors and the outer momentum stay as they were, the inner optimizer keeps its state, and the window's inner
+steps stay taken by the loop (its step count, the data it read): the window is dropped, not retried.
+``outer_steps`` counts committed syncs only, ``dropped`` the others.
 """
 
 from __future__ import annotations
@@ -39,11 +40,12 @@ from lightning_mics.engine.unit import Unit
 class Across(Protocol):
     """The average across replica groups beyond this engine's world ([Note: DiLoCo across fault-tolerant groups] in
     frontends/fault_tolerance/groups.py): ``quorum`` before the pseudo-gradients are taken (it may replace this
-    rank's state with a live peer's, in place), ``average`` of one flat fp32 buffer in place, ``commit``."""
+    rank's state with a live peer's, in place), ``average`` of one flat fp32 buffer in place (``async_op``: it may
+    return a work still in flight, waited for before ``commit``), ``commit``."""
 
     def quorum(self) -> None: ...
 
-    def average(self, flat: Tensor) -> None: ...
+    def average(self, flat: Tensor, async_op: bool) -> Optional[Any]: ...
 
     def commit(self) -> bool: ...
 
@@ -119,6 +121,10 @@ class OuterSync:
         if self.steps >= self.sync_every:
             self.steps = 0
 
+    def sends_next(self) -> bool:
+        """Whether the next inner step ends with a send (the whole shard's or a fragment's): its quorum is due."""
+        return sent_after(self.steps + 1, self.sync_every, len(self.fragments), self.delay) is not None
+
     def buffers(self) -> List[Tensor]:
         """What the outer loop keeps (model-state accounting): the anchors and the outer momentum."""
         if self.anchors is None or self.optimizer is None:
@@ -137,10 +143,9 @@ class OuterSync:
     def average(self, flat: Tensor, async_op: bool = False) -> Average:
         """The mean of ``flat`` over the replica group, in place (int8 blocks with ``quantize_gradients``), made
         by the returned ``Average``'s ``wait()``; ``async_op``: still in flight until then. Over the quorum's groups
-        through ``across`` when set (blocking: fault tolerance refuses a delay)."""
+        through ``across`` when set (a mean already divided when its work is waited for)."""
         if self.across is not None:
-            self.across.average(flat)
-            return Average.of(flat)
+            return Average(flat, self.across.average(flat, async_op), 1, self.log)
         group, r = self.topo.replica_group, self.topo.layout.replicas
         work = None
         if r > 1:

@@ -8,9 +8,10 @@ the strategy's ``distributed_sampler_kwargs``.
     --mode fabric-mics  the Fabric loop's batches under Fabric's MiCSStrategy without fault tolerance
     --mode plain     one process, the global batch of every step
     --diloco H       replica_sync="diloco", sync_every=H (all but plain; the outer defaults); ``--int8``: int8
-                     pseudo-gradients (quantize_gradients=True)
+                     pseudo-gradients (quantize_gradients=True); ``--fragments/--delay/--mixing``: streaming
 
-Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step, the quorum's summary) and,
+Writes ``<out>/<tag>.pt`` (rank 0: the full parameters after the run, the global step, the quorum's summary;
+under DiLoCo without fault tolerance also ``<tag>_replica1.pt``, the second replica's) and,
 with ``--record``, ``<out>/<tag>_steps.jsonl`` (rank 0: one line per optimizer step: wall time, step, quorum,
 committed) and ``<out>/<tag>_r<rank>_samples.jsonl`` (every rank: the sample indices of each batch), where ``tag``
 is ``--tag`` (default: the mode, with the group id under fault tolerance). ``--resumable``: the training sampler
@@ -173,8 +174,16 @@ def strategy_options(args):
     diloco = {"replica_sync": "diloco", "sync_every": args.diloco} if args.diloco else {}
     if args.int8:
         diloco["quantize_gradients"] = True
+    if args.fragments > 1:  # streaming DiLoCo
+        diloco.update(sync_fragments=args.fragments, sync_delay=args.delay, fragment_mixing=args.mixing)
     return {"sharded_data_parallel_degree": args.s, "param_persistence_threshold": 100,
             "fault_tolerance": args.mode in ("ft", "fabric"), "timeout": 120, **diloco}
+
+
+def second_replica(args):
+    """The first rank of the second replica of a DiLoCo job without fault tolerance (whose model, between syncs, is
+    its own: what group 1 of a fault-tolerant job computes), or None."""
+    return args.s if args.mode in ("mics", "fabric-mics") and args.diloco else None
 
 
 def run_trainer(args, tag):
@@ -191,11 +200,12 @@ def run_trainer(args, tag):
     import lightning_mics
 
     print(f"[ft_trainer] lightning_mics from {lightning_mics.__file__}", flush=True)
-    if trainer.global_rank == 0:
-        summary = trainer.strategy.fault_tolerance_summary
-        torch.save({"params": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
-                    "global_step": trainer.global_step, "summary": summary, "traffic": traffic.events},
-                   Path(args.out) / f"{tag}.pt")
+    for rank, name in ((0, tag), (second_replica(args), f"{tag}_replica1")):
+        if trainer.global_rank == rank:
+            summary = trainer.strategy.fault_tolerance_summary
+            torch.save({"params": {k: v.detach().clone() for k, v in model.model.state_dict().items()},
+                        "global_step": trainer.global_step, "summary": summary, "traffic": traffic.events},
+                       Path(args.out) / f"{name}.pt")
 
 
 def run_fabric(args, tag):
@@ -242,6 +252,8 @@ def run_fabric(args, tag):
     import lightning_mics
 
     print(f"[ft_trainer] lightning_mics from {lightning_mics.__file__}", flush=True)
+    if fabric.global_rank == second_replica(args):
+        torch.save({"params": {k: v.detach().clone() for k, v in state.items()}}, Path(args.out) / f"{tag}_replica1.pt")
     if fabric.global_rank == 0:
         torch.save({"params": {k: v.detach().clone() for k, v in state.items()}, "global_step": position(),
                     "first_step": first_step, "summary": ft.summary() if ft is not None else None}, Path(args.out) / f"{tag}.pt")
@@ -297,6 +309,9 @@ def main():
     ap.add_argument("--width", type=int, default=WIDTH)
     ap.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--diloco", type=int, default=0, help="H: replica_sync='diloco' with sync_every=H (0: exact)")
+    ap.add_argument("--fragments", type=int, default=1, help="with --diloco: sync_fragments (streaming DiLoCo)")
+    ap.add_argument("--delay", type=int, default=0, help="with --fragments: sync_delay")
+    ap.add_argument("--mixing", type=float, default=0.0, help="with --fragments: fragment_mixing")
     ap.add_argument("--precision", default="32-true", help="the Trainer's precision (modes ft and mics)")
     ap.add_argument("--int8", action="store_true", help="quantize_gradients=True (with --diloco: int8 pseudo-gradients)")
     args = ap.parse_args()

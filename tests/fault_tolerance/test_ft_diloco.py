@@ -83,6 +83,27 @@ def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path, int8,
     assert len(numel) == 1 and numel.pop() > 0
 
 
+@pytest.mark.parametrize("mode, reference", [("ft", "mics"), ("fabric", "fabric-mics")], ids=["trainer", "fabric"])
+def test_streaming_fragments_across_groups_equal_the_job_without_fault_tolerance(tmp_path, mode, reference):
+    """Streaming DiLoCo across the groups: H = 4, 2 fragments, each fragment's average in flight over the manager's
+    group for 1 inner step (sync_delay) and merged with half the local progress, 6 steps (three fragment syncs);
+    each group bit-equal to its replica in the 4-rank job without fault tolerance (Trainer and Fabric; with mixing
+    and fragments the replicas never hold one model), one decision per fragment sync."""
+    steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "4", "--fragments", "2", "--delay", "1",
+             "--mixing", "0.5"]
+    g0, g1, job = _two_groups_and_the_job(tmp_path, mode, reference, steps)
+    assert g0["global_step"] == g1["global_step"] == job["global_step"] == 6
+    assert _differ(g0, job) == [] and _differ(g1, _load(tmp_path / f"{reference}_replica1.pt")) == []
+    assert _differ(g0, g1, tol=1e-3) != []  # the local progress mixing keeps
+    for s in (g0["summary"], g1["summary"]):  # the fragment syncs sent after steps 1, 3, 5, applied after 2, 4, 6
+        assert (s["steps"], s["committed"], s["failed"], s["participants_min"]) == (3, 3, 0, 2), s
+    if mode == "ft":  # step k is batches 2k-2, 2k-1: each send step's quorum at its first batch, its allreduce at its
+        # last (in flight over the next step's two batches)
+        assert [(b, op) for b, op, _ in g0["traffic"]] == [(-1, "quorum"), (1, "allreduce"), (4, "quorum"),
+                                                           (5, "allreduce"), (8, "quorum"), (9, "allreduce")], \
+            g0["traffic"]
+
+
 def test_a_sync_not_committed_drops_the_window_and_heals_at_the_next(tmp_path):
     """Group 0 reports an error to its Manager at its second sync (step 4, H = 2): should_commit is False there, its
     masters equal its anchors after the step (the first sync's model), its peer commits; at step 6's first batch group

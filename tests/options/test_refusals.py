@@ -173,10 +173,6 @@ ROWS = [
     # what DiLoCo under fault tolerance leaves out
     ("exact-fault-tolerance-int8", BOTH, dict(fault_tolerance=True, quantize_gradients=True),
      {}, ["quantize_gradients=True", "allowed is False with fault_tolerance=True and exact sync"]),
-    ("diloco-fault-tolerance-fragments", BOTH, dict(replica_sync="diloco", fault_tolerance=True, sync_fragments=2),
-     {}, ["sync_fragments=2", "allowed is 1 with fault_tolerance=True"]),
-    ("diloco-fault-tolerance-delay", BOTH, dict(replica_sync="diloco", fault_tolerance=True, sync_delay=1), {},
-     ["sync_delay=1", "allowed is 0 with fault_tolerance=True"]),
     ("diloco-tensor-parallel", BOTH, dict(replica_sync="diloco", tensor_parallel_degree=2), {},
      ["tensor_parallel_degree=2", "allowed is 1 with replica_sync='diloco'"]),
     ("exact-with-fragments", BOTH, dict(sync_fragments=2), {}, ["sync_fragments=2", "the default 1 unless replica_sync"]),

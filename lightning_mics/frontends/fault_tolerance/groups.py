@@ -39,13 +39,16 @@ the job).
 [Note: DiLoCo across fault-tolerant groups]
 With ``replica_sync="diloco"`` each group's engine runs its inner steps alone (its world is the group: r = 1 inside)
 and nothing crosses the groups inside a window: no quorum, no gradient average, no commit per step. The quorum is
-formed at the first batch of every ``sync_every``-th step (a group's first at ``on_train_start``, wherever its peers
-are; under Fabric right after the step before it, and at setup); a group behind takes a live peer's state there, as
-the peer stood after its previous step: masters, inner optimizer state, anchors, outer momentum, steps since the
-sync, the inner step count and the loop's counters ([Note: joining at the current step]), so it takes that sync step
-on its own data. At its end ``OuterSync`` averages the pseudo-gradients (one flat fp32 buffer) over the quorum's
-groups through the manager (a lost group's survivors alone), and ``should_commit`` decides the outer step
-([Note: an outer step not taken] in outer_sync.py). Taken from torchft: the Manager, its quorum, allreduce,
+formed at the first batch of every step that ends with a send (``sends_next``: every ``sync_every``-th, or with
+streaming fragments each fragment's send step; a group's first at ``on_train_start``, wherever its peers are; under
+Fabric right after the step before it, and at setup); a group behind takes a live peer's state there, as the peer
+stood after its previous step (no fragment in flight: the last one applied before this send, ``sync_delay`` < H / F):
+masters, inner optimizer state, anchors, outer momentum, steps since the sync, the inner step count and the loop's
+counters ([Note: joining at the current step]), so it takes that step on its own data. At its end ``OuterSync``
+averages the pseudo-gradients (one flat fp32 buffer: the shard's or the fragment's) over the quorum's groups
+through the manager (a lost group's survivors alone; with ``sync_delay`` in flight over the inner steps until its
+apply), and ``should_commit`` decides the outer step at the apply ([Note: an outer step not taken] in
+outer_sync.py). Taken from torchft: the Manager, its quorum, allreduce,
 ``should_commit`` and healing; not its DiLoCo class, which walks module parameters (here: the engine's flat shards)
 and forms its quorum after the H-th step, where a joiner would take a state from mid-batch.
 """
@@ -142,7 +145,7 @@ class FaultTolerance:
         """This step's quorum, once per optimizer step ([Note: one quorum per step] in comm/managed.py); under DiLoCo
         once per sync, before its step unless ``now`` ([Note: DiLoCo across fault-tolerant groups])."""
         outer = self.outer
-        if self.quorum_due and (now or outer is None or outer.steps == outer.sync_every - 1):
+        if self.quorum_due and (now or outer is None or outer.sends_next()):
             self.quorum_due = False
             self.group.quorum()
 
@@ -273,17 +276,24 @@ class _OuterAcross:
     def quorum(self) -> None:
         self.ft.quorum(now=True)
 
-    def average(self, flat: torch.Tensor) -> None:
+    def average(self, flat: torch.Tensor, async_op: bool) -> Optional[Any]:
+        """The mean over the quorum's groups, in place; ``async_op`` (a fragment's ``sync_delay``): the manager's
+        work in flight, returned. int8 blocks are made at once (their two hops are blocking calls over the manager's
+        group): under a delay their mean still applies ``sync_delay`` steps later, not overlapped."""
         started = time.monotonic()
-        outer = self.ft.outer
+        outer, work = self.ft.outer, None
         if outer is not None and outer.quantize:  # int8 blocks, as over a replica group
             nbytes = self.ft.group.quantized_mean(flat, outer.block_size, outer.kernels)
         else:
-            self.ft.group.all_reduce_mean(flat).wait()  # an error is recorded, not raised: commit() is then False
+            work = self.ft.group.all_reduce_mean(flat)  # an error is recorded, not raised: commit() is then False
             nbytes = flat.numel() * flat.element_size()
+            if not async_op:
+                work.wait()
+                work = None
         if self.ft.engine is not None:
             self.ft.engine.log.record("all_reduce", "groups", nbytes)
         self.ft.group.log.seconds["average"].append(time.monotonic() - started)
+        return work
 
     def commit(self) -> bool:
         ok = self.ft.group.commit()
