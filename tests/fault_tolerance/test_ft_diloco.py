@@ -128,6 +128,29 @@ def test_a_sync_not_committed_drops_the_window_and_heals_at_the_next(tmp_path):
     assert s0["recoveries"] >= 1 and s1["peers_healed"] >= 1, (s0, s1)
 
 
+def _lose_group_one(tmp_path, mode, args, hold, held, what):
+    """Both groups of ``mode`` under one lighthouse (min_replicas=1), group 1 with ``--hold hold``; group 1 killed once
+    one of its records' steps is ``held``, the survivor's first sync alone awaited, group 1 started again and both
+    waited for. Returns group 0's and group 1's records, the step group 1 was killed after, the kill's and the
+    restart's times."""
+    a, b = tmp_path / f"{mode}0_steps.jsonl", tmp_path / f"{mode}1_steps.jsonl"
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=1, heartbeat_ms=2000)
+        job.start(0, args, forked=True)
+        job.start(1, [*args, "--hold", str(hold)], forked=True)
+        wait_for(lambda: job.check() and any(held(r["step"]) for r in records(b)), 240, what=what)
+        killed = job.kill(1)
+        before = records(b)[-1]["step"]
+        wait_for(lambda: job.check() and any(r["t"] > killed and r["quorum"] == 1 for r in records(a)), 60,
+                 what="a sync of the surviving group alone")
+        job.start(1, args, forked=True)
+        restarted = job.started_at[1][-1]
+        _check(job, [job.wait(g, timeout=400) for g in range(2)])
+        job.stop_lighthouse()
+    return records(a), records(b), before, killed, restarted
+
+
 def test_a_group_lost_mid_window_rejoins_at_a_sync(tmp_path):
     """Group 1's ranks killed after step 7 (one step into the third window, H = 3; it holds there until killed),
     started again at once: group 0
@@ -137,25 +160,7 @@ def test_a_group_lost_mid_window_rejoins_at_a_sync(tmp_path):
     steps = 30
     args = ["--mode", "ft", "--out", str(tmp_path), "--steps", str(steps), "--diloco", "3", "--opt", "sgd",
             "--record", "--pause", "0.2", "--pause-alone", "1.0", "--resumable"]
-    a, b = tmp_path / "ft0_steps.jsonl", tmp_path / "ft1_steps.jsonl"
-    ports = [free_port() for _ in range(2)]
-    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
-        job.lighthouse(min_replicas=1, heartbeat_ms=2000)
-        job.start(0, args, forked=True)
-        job.start(1, [*args, "--hold", "7"], forked=True)
-        wait_for(lambda: job.check() and any(r["step"] == 7 for r in records(b)), 240, what="step 7 of group 1")
-        killed = job.kill(1)
-        before = records(b)[-1]["step"]
-        wait_for(lambda: job.check() and any(r["t"] > killed and r["quorum"] == 1 for r in records(a)), 60,
-                 what="a sync of the surviving group alone")
-        job.start(1, args, forked=True)
-        restarted = job.started_at[1][-1]
-        wait_for(lambda: job.check() and any(r["t"] > restarted for r in records(b)), 90,
-                 what="the restarted group's first step")
-        codes = [job.wait(g, timeout=400) for g in range(2)]
-        _check(job, codes)
-        job.stop_lighthouse()
-    ra, rb = records(a), records(b)
+    ra, rb, before, _, restarted = _lose_group_one(tmp_path, "ft", args, 7, lambda step: step == 7, "step 7 of group 1")
     assert before == 7, f"killed after step {before}"
     # a record's quorum is its group's last sync's; the committed count moves at sync steps only
     # (group 0 may have joined late itself: its records start at its first step)
@@ -193,24 +198,9 @@ def test_fabric_group_lost_mid_window_rejoins_at_a_sync_with_the_step_count(tmp_
     steps = 18
     args = ["--mode", "fabric", "--out", str(tmp_path), "--steps", str(steps), "--diloco", "3", "--opt", "sgd",
             "--record", "--pause", "0.2", "--pause-alone", "1.0"]
-    a, b = tmp_path / "fabric0_steps.jsonl", tmp_path / "fabric1_steps.jsonl"
-    ports = [free_port() for _ in range(2)]
-    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
-        job.lighthouse(min_replicas=1, heartbeat_ms=2000)
-        job.start(0, args, forked=True)
-        job.start(1, [*args, "--hold", "4"], forked=True)
-        wait_for(lambda: job.check() and any(r["step"] >= 4 and r["step"] % 3 == 1 for r in records(b)), 240,
-                 what="group 1 one step into a window, from step 4 on")
-        killed = job.kill(1)
-        before = records(b)[-1]["step"]
-        wait_for(lambda: job.check() and any(r["t"] > killed and r["quorum"] == 1 for r in records(a)), 60,
-                 what="a sync of the surviving group alone")
-        job.start(1, args, forked=True)
-        restarted = job.started_at[1][-1]
-        codes = [job.wait(g, timeout=400) for g in range(2)]
-        _check(job, codes)
-        job.stop_lighthouse()
-    ra, rb = records(a), records(b)
+    ra, rb, before, killed, restarted = _lose_group_one(tmp_path, "fabric", args, 4,
+                                                        lambda step: step >= 4 and step % 3 == 1,
+                                                        "group 1 one step into a window, from step 4 on")
     assert before >= 4 and before % 3 == 1 and before < steps - 6, before
     rejoined = next(r for r in rb if r["t"] > restarted)
     survivor_then = [r["step"] for r in ra if r["t"] < rejoined["t"]]
