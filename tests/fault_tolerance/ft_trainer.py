@@ -120,6 +120,11 @@ class Record(L.Callback):
             if outer is not None:  # DiLoCo: rank 0's masters and anchors (sums), the syncs not taken
                 line.update(masters=sum(m.double().sum().item() for m in outer.masters), dropped=outer.dropped,
                             anchors=sum(a.double().sum().item() for a in outer.anchors or []))
+                if len(outer.fragments) > 1:  # streaming: the same sums per fragment
+                    line.update(fragment_masters=[sum(outer.masters[i].double().sum().item() for i in f)
+                                                  for f in outer.fragments],
+                                fragment_anchors=[sum(outer.anchors[i].double().sum().item() for i in f)
+                                                  for f in outer.fragments] if outer.anchors else None)
             with open(self.path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         ft = trainer.strategy.fault_tolerance

@@ -9,6 +9,9 @@ launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank
   start and at the first batch of each later sync step, and averages one flat buffer at the end of each sync step;
 - a sync not committed on one group (an error reported to its Manager): its masters go back to the anchors, the
   window is dropped, and at the next sync it takes its peer's state; both end bit-equal;
+- streaming fragments (delay 1, mixing 0.5): each group bit-equal to its replica in the 4-rank job (Trainer,
+  Fabric); a fragment's sync not committed on one group resets that fragment's masters only, and the group takes
+  its peer's state at the next send;
 - a group killed mid-window: the survivor goes on stepping and syncing alone (quorum 1), the group started again
   takes a live peer's state at a sync step and both end at the last step with bit-equal parameters;
 - under Fabric, the same two groups equal the 4-rank Fabric job without fault tolerance bit for bit, and a group
@@ -149,6 +152,33 @@ def _lose_group_one(tmp_path, mode, args, hold, held, what):
         _check(job, [job.wait(g, timeout=400) for g in range(2)])
         job.stop_lighthouse()
     return records(a), records(b), before, killed, restarted
+
+
+def test_a_fragment_sync_not_committed_drops_that_fragment_and_heals_at_the_next_send(tmp_path):
+    """Streaming (H = 4, two fragments, delay 1, mixing 0.5): group 0 reports an error to its Manager at its second
+    allreduce (fragment 1's, sent after step 3 and in flight over step 4): at its apply after step 4 should_commit is
+    False there, fragment 1's masters go back to its anchors while fragment 0 keeps its own; its peer commits; at step
+    5's first batch (fragment 0's send step) group 0 is one commit behind and takes group 1's state; by step 8 both
+    committed the same count."""
+    args = ["--mode", "ft", "--out", str(tmp_path), "--steps", "8", "--diloco", "4", "--fragments", "2", "--delay",
+            "1", "--mixing", "0.5", "--opt", "sgd", "--record"]
+    ports = [free_port() for _ in range(2)]
+    with FTJob(tmp_path, [None, None], ["127.0.0.1"] * 2, ports[0], ports[1]) as job:
+        job.lighthouse(min_replicas=2)
+        job.start(0, [*args, "--error-at", "2"], forked=True)
+        job.start(1, args, forked=True)
+        _check(job, [job.wait(g, timeout=400) for g in range(2)])
+    ra, rb = records(tmp_path / "ft0_steps.jsonl"), records(tmp_path / "ft1_steps.jsonl")
+    assert [r["committed"] for r in ra] == [True] * 3 + [False] * 2 + [True] * 3, ra  # the last decision's
+    assert all(r["committed"] for r in rb), rb
+    at4 = ra[3]
+    assert at4["dropped"] == 1 and at4["fragment_masters"][1] == at4["fragment_anchors"][1], at4
+    assert at4["fragment_masters"][0] != at4["fragment_anchors"][0], at4  # fragment 0 keeps its local progress
+    assert rb[3]["fragment_masters"][1] != at4["fragment_masters"][1]  # group 1 took the outer step
+    s0, s1 = _load(tmp_path / "ft0.pt")["summary"], _load(tmp_path / "ft1.pt")["summary"]
+    assert (s0["committed"], s0["failed"], s1["committed"], s1["failed"]) == (3, 1, 4, 0), (s0, s1)
+    assert s0["committed_steps"] == s1["committed_steps"] == 4  # group 0's count came back with the heal
+    assert s0["recoveries"] >= 1 and s1["peers_healed"] >= 1, (s0, s1)
 
 
 def test_a_group_lost_mid_window_rejoins_at_a_sync(tmp_path):
