@@ -170,36 +170,17 @@ class ManagedGroup:
         error is not raised: torchft records it and ``commit`` returns False."""
         return self.manager.allreduce(flat)
 
-    def quantized_mean(self, flat: Tensor, block_size: int, kernels: str) -> int:
+    def quantized_mean(self, flat: Tensor, block_size: int, kernels: str, async_op: bool = False) -> "QuantizedMean":
         """The mean of the fp32 ``flat`` over the quorum's groups through int8 blocks, in place: the two hops of
         [Note: quantized all-reduce] in quantized.py (an all-to-all of int8 chunks, each group's chunk summed and
         quantized again, an all-gather) over the manager's process group, so the mean is bit for bit the one
-        ``quantized_all_reduce`` makes over a replica group of the same size. Blocking; returns the bytes this rank
-        received in the first hop (its telemetry). An error is not raised: it is reported to the manager (``commit``
-        is then False) and ``flat`` is left as it is."""
-        if self.manager.errored():
-            return 0
-        self.manager.wait_quorum()
-        r = self.manager.num_participants()
-        if r <= 1 or flat.numel() == 0:
-            return 0
-        try:
-            layout = quant_layout(flat.numel(), block_size, r)
-            sent = lightning_mics_kernels.quantize([flat], block_size, num_chunks=r, backend=kernels).wire
-            recv = torch.empty_like(sent)
-            self.pg.alltoall_base(recv.view(-1), sent.view(-1), [], [], AllToAllOptions()).wait()
-            part = torch.empty(layout.chunk, dtype=torch.float32, device=flat.device)
-            lightning_mics_kernels.dequantize_sum(recv, r, block_size, out=part, backend=kernels)
-            mine = torch.empty(sent.shape[1], dtype=torch.uint8, device=flat.device)
-            lightning_mics_kernels.quantize([part], block_size, backend=kernels, out=mine)
-            rows = torch.empty_like(sent)
-            self.pg.allgather_into_tensor_coalesced([rows.view(-1)], [mine], AllgatherOptions()).wait()
-            lightning_mics_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
-            flat.mul_(1.0 / r)
-            return recv.numel()
-        except Exception as e:  # torchft's allreduce does the same with its errors
-            self.manager.report_error(e)
-            return 0
+        ``quantized_all_reduce`` makes over a replica group of the same size. The first hop is issued here; the
+        rest runs in the returned holder's ``wait()`` (here unless ``async_op``). An error is not raised: it is
+        reported to the manager (``commit`` is then False) and ``flat`` is left as it is."""
+        mean = QuantizedMean(self.manager, self.pg, flat, block_size, kernels)
+        if not async_op:
+            mean.wait()
+        return mean
 
     def commit(self) -> bool:
         """Whether this step is taken: agreed by every rank of the group ([Note: one quorum per step])."""
@@ -225,3 +206,45 @@ class ManagedGroup:
     def shutdown(self, wait: bool = True) -> None:
         self.manager.shutdown(wait=wait)
         self.pg.shutdown()
+
+
+class QuantizedMean:
+    """``ManagedGroup.quantized_mean`` in flight: the all-to-all issued at construction, the sum, the all-gather
+    and the division in ``wait()`` (once). ``received``: the bytes this rank takes in the first hop (telemetry)."""
+
+    def __init__(self, manager: Any, pg: Any, flat: Tensor, block_size: int, kernels: str) -> None:
+        self.manager, self.pg, self.flat, self.block_size, self.kernels = manager, pg, flat, block_size, kernels
+        self.received, self.work, self.done = 0, None, True
+        if manager.errored():
+            return
+        manager.wait_quorum()
+        self.r = manager.num_participants()
+        if self.r <= 1 or flat.numel() == 0:
+            return
+        try:
+            self.layout = quant_layout(flat.numel(), block_size, self.r)
+            self.sent = lightning_mics_kernels.quantize([flat], block_size, num_chunks=self.r, backend=kernels).wire
+            self.recv = torch.empty_like(self.sent)
+            self.work = pg.alltoall_base(self.recv.view(-1), self.sent.view(-1), [], [], AllToAllOptions())
+            self.received, self.done = self.recv.numel(), False
+        except Exception as e:  # torchft's allreduce does the same with its errors
+            manager.report_error(e)
+
+    def wait(self) -> Tensor:
+        if self.done:
+            return self.flat
+        self.done = True
+        r, block_size, kernels, flat = self.r, self.block_size, self.kernels, self.flat
+        try:
+            self.work.wait()
+            part = torch.empty(self.layout.chunk, dtype=torch.float32, device=flat.device)
+            lightning_mics_kernels.dequantize_sum(self.recv, r, block_size, out=part, backend=kernels)
+            mine = torch.empty(self.sent.shape[1], dtype=torch.uint8, device=flat.device)
+            lightning_mics_kernels.quantize([part], block_size, backend=kernels, out=mine)
+            rows = torch.empty_like(self.sent)
+            self.pg.allgather_into_tensor_coalesced([rows.view(-1)], [mine], AllgatherOptions()).wait()
+            lightning_mics_kernels.dequantize(rows, [flat], block_size, num_chunks=r, backend=kernels)
+            flat.mul_(1.0 / r)
+        except Exception as e:
+            self.manager.report_error(e)
+        return flat

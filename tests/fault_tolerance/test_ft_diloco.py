@@ -86,14 +86,15 @@ def test_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path, int8,
     assert len(numel) == 1 and numel.pop() > 0
 
 
-@pytest.mark.parametrize("mode, reference", [("ft", "mics"), ("fabric", "fabric-mics")], ids=["trainer", "fabric"])
-def test_streaming_fragments_across_groups_equal_the_job_without_fault_tolerance(tmp_path, mode, reference):
+@pytest.mark.parametrize("mode, reference, int8", [("ft", "mics", False), ("fabric", "fabric-mics", False),
+                                                   ("ft", "mics", True)], ids=["trainer", "fabric", "trainer-int8"])
+def test_streaming_fragments_across_groups_equal_the_job_without_fault_tolerance(tmp_path, mode, reference, int8):
     """Streaming DiLoCo across the groups: H = 4, 2 fragments, each fragment's average in flight over the manager's
-    group for 1 inner step (sync_delay) and merged with half the local progress, 6 steps (three fragment syncs);
-    each group bit-equal to its replica in the 4-rank job without fault tolerance (Trainer and Fabric; with mixing
-    and fragments the replicas never hold one model), one decision per fragment sync."""
+    group for 1 inner step (sync_delay; with int8 its first hop) and merged with half the local progress, 6 steps
+    (three fragment syncs); each group bit-equal to its replica in the 4-rank job without fault tolerance (Trainer
+    and Fabric; with mixing and fragments the replicas never hold one model), one decision per fragment sync."""
     steps = ["--steps", "6", "--accum", "2", "--opt", "sgd", "--diloco", "4", "--fragments", "2", "--delay", "1",
-             "--mixing", "0.5"]
+             "--mixing", "0.5", *(["--int8"] if int8 else [])]
     g0, g1, job = _two_groups_and_the_job(tmp_path, mode, reference, steps)
     assert g0["global_step"] == g1["global_step"] == job["global_step"] == 6
     assert _differ(g0, job) == [] and _differ(g1, _load(tmp_path / f"{reference}_replica1.pt")) == []

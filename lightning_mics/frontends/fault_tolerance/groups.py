@@ -278,12 +278,12 @@ class _OuterAcross:
 
     def average(self, flat: torch.Tensor, async_op: bool) -> Optional[Any]:
         """The mean over the quorum's groups, in place; ``async_op`` (a fragment's ``sync_delay``): the manager's
-        work in flight, returned. int8 blocks are made at once (their two hops are blocking calls over the manager's
-        group): under a delay their mean still applies ``sync_delay`` steps later, not overlapped."""
+        work in flight, returned (int8 blocks: their first hop in flight, the second made at the wait)."""
         started = time.monotonic()
         outer, work = self.ft.outer, None
         if outer is not None and outer.quantize:  # int8 blocks, as over a replica group
-            nbytes = self.ft.group.quantized_mean(flat, outer.block_size, outer.kernels)
+            mean = self.ft.group.quantized_mean(flat, outer.block_size, outer.kernels, async_op)
+            nbytes, work = mean.received, mean if async_op else None
         else:
             work = self.ft.group.all_reduce_mean(flat)  # an error is recorded, not raised: commit() is then False
             nbytes = flat.numel() * flat.element_size()
