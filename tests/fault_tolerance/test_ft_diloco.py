@@ -13,7 +13,8 @@ launcher's server with torchrun's environment (tests/helpers/ft_groups.py), rank
   Fabric); a fragment's sync not committed on one group resets that fragment's masters only, and the group takes
   its peer's state at the next send;
 - a group killed mid-window: the survivor goes on stepping and syncing alone (quorum 1), the group started again
-  takes a live peer's state at a sync step and both end at the last step with bit-equal parameters;
+  takes a live peer's state at a sync step and both end at the last step with bit-equal parameters; under streaming,
+  killed with a fragment in flight, it joins at a send step and the groups' anchors are bit-equal from then on;
 - under Fabric, the same two groups equal the 4-rank Fabric job without fault tolerance bit for bit, and a group
   killed mid-window and started again takes the inner step count with the state (its loop resumes at the peer's
   step, a sync step) and ends with its peer.
@@ -207,6 +208,35 @@ def test_a_group_lost_mid_window_rejoins_at_a_sync(tmp_path):
     assert ft1["summary"]["recoveries"] >= 1 and ft0["summary"]["participants_min"] == 1, (ft0["summary"],
                                                                                          ft1["summary"])
     assert ft0["summary"]["peers_healed"] >= 1, ft0["summary"]
+
+
+def test_a_group_lost_with_a_fragment_in_flight_rejoins_at_a_send_step(tmp_path):
+    """Streaming (H = 4, two fragments, delay 1, mixing 0.5: sends after odd steps, applies after even ones): group 1
+    killed after step 9, its fragment's average in flight, and started again. Group 0 goes on alone (its in-flight
+    fragment applied or dropped, whichever the Manager decides) and syncs alone; group 1 joins at a send step's first
+    batch (no fragment in flight there) and takes group 0's state; from that step on the two groups' anchors (the
+    synced model, per fragment) are bit-equal at every step, though their masters differ (mixing keeps each group's
+    local progress), and both end at step 30."""
+    steps = 30
+    args = ["--mode", "ft", "--out", str(tmp_path), "--steps", str(steps), "--diloco", "4", "--fragments", "2",
+            "--delay", "1", "--mixing", "0.5", "--opt", "sgd", "--record", "--pause", "0.2", "--pause-alone", "1.0",
+            "--resumable"]
+    ra, rb, before, killed, restarted = _lose_group_one(tmp_path, "ft", args, 9, lambda step: step == 9,
+                                                        "step 9 of group 1")
+    assert before == 9, f"killed after step {before}"
+    assert any(r["t"] > killed and r["quorum"] == 1 for r in ra), ra  # the survivor alone
+    after = [r for r in rb if r["t"] > restarted]
+    rejoined = after[0]
+    assert rejoined["step"] > before and rejoined["step"] % 2 == 1, rejoined
+    assert after[1]["quorum"] == 2, after[:2]  # its first decision: the apply after the send step it joined at
+    assert [r["step"] for r in after] == list(range(rejoined["step"], steps + 1)), after
+    survivor = {r["step"]: r for r in ra}
+    for r in after:
+        assert r["fragment_anchors"] == survivor[r["step"]]["fragment_anchors"], (r, survivor[r["step"]])
+    assert after[-1]["fragment_masters"] != survivor[steps]["fragment_masters"]  # the local progress mixing keeps
+    assert ra[-1]["step"] == steps and ra[-1]["quorum"] == after[-1]["quorum"] == 2
+    s0, s1 = _load(tmp_path / "ft0.pt")["summary"], _load(tmp_path / "ft1.pt")["summary"]
+    assert s1["recoveries"] >= 1 and s0["peers_healed"] >= 1 and s0["participants_min"] == 1, (s0, s1)
 
 
 def test_fabric_two_groups_equal_the_diloco_job_without_fault_tolerance(tmp_path):
