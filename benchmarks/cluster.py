@@ -10,21 +10,20 @@ loaded machine slows every case alike), ``torchrun --nnodes 2 --nproc-per-node 2
 benchmarks/cluster_rank.py in both namespaces: ``--warmup`` optimizer steps, then ``--steps`` timed ones. The cases
 (``ddp``, ``fsdp2_full``, ``fsdp2_hsdp``, ``mics_host``, ``mics_twohop``, ``mics_host_os``, and the int8 twins
 ``mics_host_q8``, ``mics_twohop_q8``, ``mics_host_os_q8``; DiLoCo's ``mics_host_diloco`` and
-``mics_host_diloco_q8``, whose host groups train apart and meet every ``--sync-every`` steps) are described there.
+``mics_host_diloco_q8``, whose host groups train apart and meet every ``--sync-every`` steps, and their streaming
+twins ``mics_host_diloco_stream``, ``mics_host_diloco_stream_q8``) are described there.
 
 [Note: DiLoCo's timed window]
-An exact case's steps are all alike, so ``--steps`` of them (3 in the README's commands) time it. A DiLoCo case's
-are not: H - 1 inner steps send nothing between the hosts, the H-th ends with the outer sync. It times
-``--windows`` x ``--sync-every`` (k x H) steps instead, whatever ``--steps`` says, so that its mean step holds the
-syncs at their share. The engine syncs at the end of optimizer steps H, 2H, ... counted from the run's first step,
-warm-up included; the timed steps are steps W + 2 .. W + 1 + kH (W = ``--warmup``, then the untimed step after the
-handshake), kH consecutive steps, so exactly k of them are sync steps wherever W puts the first one (with W = 1,
-H = 16: steps 3..18, the sync at step 16). The link's window (W + 1 .. W + 1 + kH) also holds the untimed step W + 1;
-it must not be a sync step, or the bytes would hold k + 1 syncs: refused at the command line when H > 1 divides
-W + 1. Its bytes per step (``link_bytes``) are then k syncs' bytes (and whatever the inner steps send) over kH + 1
-steps, the window's mean as for the exact cases; ``link_bytes_per_sync`` is the window's bytes over k. Both
-counts are checked from the engine's own outer-step counter at each step's end (rank 0): ``syncs_timed`` and
-``syncs_link``, a run whose counts differ from k failed.
+An exact case's steps are all alike, so ``--steps`` of them time it. A DiLoCo case's are not: only sync steps send
+between the hosts. It times ``--windows`` x ``--sync-every`` (k x H) consecutive steps instead, steps W + 2 .. W + 1 +
+kH (W = ``--warmup``, then the untimed step after the handshake), so that they hold exactly k windows' syncs wherever
+W puts the first: k syncs at steps H, 2H, ... counted from the run's first step, or with F streaming fragments
+(delay d, P = H / F) kF, each sent after a step P - d (mod P) and applied after a step 0 (mod P). The link's window
+(W + 1 .. W + 1 + kH) must hold no more: W + 1 must not be a sync step, nor W or W + 1 a streaming send or apply
+(refused at the command line). ``link_bytes`` is then the window's bytes over its kH + 1 steps, as for the exact
+cases, and ``link_bytes_per_sync`` those bytes over the syncs (a streaming sync carries one fragment). Both counts are
+checked from the engine's outer-step counter (rank 0): ``syncs_timed`` and ``syncs_link``; a run whose counts differ
+failed.
 
 Per case, rate and accumulation, one JSON line on stdout (and in ``rows.jsonl``):
   step_s          the slowest rank's mean step over the timed steps (wall clock from the end of the step before
@@ -64,7 +63,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from cluster_rank import CASES, DILOCO, parser as model_parser  # noqa: E402
+from cluster_rank import CASES, DILOCO, STREAMING, parser as model_parser, syncs_per_window  # noqa: E402
 from timeline import phases, phases_table  # noqa: E402
 
 PEERS = ("ddp", "fsdp2_full", "fsdp2_hsdp")
@@ -103,6 +102,16 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if set(args.cases) & set(DILOCO) and args.sync_every > 1 and (args.warmup + 1) % args.sync_every == 0:
         ap.error(f"--warmup {args.warmup} with --sync-every {args.sync_every}: the untimed step {args.warmup + 1} "
                  "would be a sync step, counted in the link's window ([Note: DiLoCo's timed window])")
+    if any("_stream" in c for c in args.cases):
+        frags, delay = STREAMING["sync_fragments"], STREAMING["sync_delay"]
+        if args.sync_every % frags or args.sync_every // frags <= delay:
+            ap.error(f"--sync-every {args.sync_every}: the streaming cases need a multiple of {frags} (their "
+                     f"fragments) with more than {delay} steps per fragment")
+        period = args.sync_every // frags
+        if {args.warmup % period, (args.warmup + 1) % period} & {0, (period - delay) % period}:
+            ap.error(f"--warmup {args.warmup} with --sync-every {args.sync_every}: step {args.warmup} or "
+                     f"{args.warmup + 1} would send or apply a fragment's sync, its bytes in the link's window "
+                     "([Note: DiLoCo's timed window])")
     if not args.queue_ms > 0:
         ap.error(f"--queue-ms must be > 0 (milliseconds), got {args.queue_ms}")
     from twohosts import check_sysctl
@@ -171,9 +180,10 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
         rec.update(sync_every=args.sync_every, windows=args.windows, package=ranks[0]["package"], outer_steps=outer,
                    syncs_timed=outer[last - 1] - outer[rec["timed_from"] - 2],
                    syncs_link=outer[last - 1] - outer[args.warmup - 1])
-        if rec["syncs_timed"] != args.windows or rec["syncs_link"] != args.windows:
+        want = args.windows * syncs_per_window(case)
+        if rec["syncs_timed"] != want or rec["syncs_link"] != want:
             rec["error"] = (f"{rec['syncs_timed']} syncs in the timed steps and {rec['syncs_link']} in the link's "
-                            f"window, not {args.windows}; logs in {folder}")
+                            f"window, not {want}; logs in {folder}")
     return rec
 
 
@@ -189,7 +199,7 @@ def _sync_steps(rec: Dict[str, Any], first: int, n: int) -> set:
     outer = rec.get("outer_steps")
     if outer:  # outer[j]: the syncs done by the end of step j + 1
         return {i for i in range(n) if outer[first + i - 1] > outer[first + i - 2]}
-    return {i for i in range(n) if (first + i) % rec["sync_every"] == 0}
+    return {i for i in range(n) if (first + i) % (rec["sync_every"] // syncs_per_window(rec["case"])) == 0}
 
 
 def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -235,7 +245,7 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
                    load1=[min(r["load"][0] for r in recs), max(r["load"][0] for r in recs)])
         row["step_over_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
         if case in DILOCO:  # [Note: DiLoCo's timed window]
-            k, link_steps = recs[0]["windows"], len(slowest) + 1
+            k, link_steps = recs[0]["windows"] * syncs_per_window(case), len(slowest) + 1
             row.update(sync_every=recs[0]["sync_every"], syncs_timed=k, link_window_steps=link_steps,
                        link_bytes_per_sync=row["link_bytes"] * link_steps / k, inner_step_s=statistics.median(inner),
                        sync_step_s=statistics.median(sync))

@@ -26,6 +26,10 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
                       ([Note: DiLoCo across replica groups] in lightning_mics/options.py). Not exact data
                       parallelism: the other cases are its exact peers
   mics_host_diloco_q8 mics_host_diloco with ``quantize_gradients=True``: the pseudo-gradients in int8 blocks
+  mics_host_diloco_stream    mics_host_diloco streaming (``STREAMING``): two fragments synced in turn, one every
+                             H / 2 steps, its all-reduce in flight over one inner step, mixed in at 0.5
+                             ([Note: streaming fragments] in lightning_mics/engine/fragments.py)
+  mics_host_diloco_stream_q8 mics_host_diloco_stream with the pseudo-gradients in int8 blocks
 The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
 
 [Note: the benchmark's communication clock]
@@ -62,8 +66,16 @@ for p in (str(REPO), str(REPO / "benchmarks")):
         sys.path.insert(0, p)
 
 CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop", "mics_host_os", "mics_host_q8",
-         "mics_twohop_q8", "mics_host_os_q8", "mics_host_diloco", "mics_host_diloco_q8")
+         "mics_twohop_q8", "mics_host_os_q8", "mics_host_diloco", "mics_host_diloco_q8", "mics_host_diloco_stream",
+         "mics_host_diloco_stream_q8")
 DILOCO = tuple(c for c in CASES if "_diloco" in c)  # the replica groups apart between syncs: not exact
+# the streaming cases' settings: the quality grid's (benchmarks/diloco_quality.py, fragments=2:delay=1:mixing=0.5)
+STREAMING = {"sync_fragments": 2, "sync_delay": 1, "fragment_mixing": 0.5}
+
+
+def syncs_per_window(case: str) -> int:
+    """The outer syncs in one window of H steps: one, or one per fragment when streaming."""
+    return STREAMING["sync_fragments"] if "_stream" in case else 1
 RANKS_PER_HOST = 2
 # collective -> index of the positional argument holding its larger buffer (the output of a gather, the input of
 # a reduce-scatter); every one of them takes ``group`` and ``async_op`` keywords
@@ -229,7 +241,7 @@ def make_strategy(case: str, clock: CommClock, sync_every: int = 16):
     if case in DILOCO:
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
                             param_persistence_threshold=0, replica_sync="diloco", sync_every=sync_every,
-                            quantize_gradients=case.endswith("_q8"))
+                            quantize_gradients=case.endswith("_q8"), **(STREAMING if "_stream" in case else {}))
     if case.startswith("mics_host"):
         os, q8 = "_os" in case, case.endswith("_q8")
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,

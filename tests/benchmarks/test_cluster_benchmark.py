@@ -186,11 +186,12 @@ def test_diloco_windows_ratios_and_table():
     """[Note: DiLoCo's timed window] in benchmarks/cluster.py: a DiLoCo case times k x H steps, refuses a warm-up
     that makes the untimed step a sync step; its row holds the sync counts and bytes per sync, its ratios the best
     exact case (the MiCS ones too) and the same case on the unshaped link."""
-    a = cluster.parse_args(["--sync-every", "4", "--windows", "2", "--steps", "3"])
+    blocking = ["--cases", "ddp", "mics_host_diloco", "mics_host_diloco_q8"]
+    a = cluster.parse_args(["--sync-every", "4", "--windows", "2", "--steps", "3", *blocking])
     assert [cluster.case_steps(c, a) for c in ("ddp", "mics_host_diloco", "mics_host_diloco_q8")] == [3, 8, 8]
     for bad in (["--sync-every", "4", "--warmup", "3"], ["--windows", "0"], ["--sync-every", "0"]):
         with pytest.raises(SystemExit):
-            cluster.parse_args(bad)
+            cluster.parse_args([*bad, *blocking])
     cluster.parse_args(["--sync-every", "4", "--warmup", "3", "--cases", "ddp"])  # no DiLoCo case: no sync to miss
     recs = [_record("fsdp2_hsdp", 100.0, [[4] * 4], [[10e6, 10e6]], [[1] * 4]),
             _record("mics_host_q8", 100.0, [[2] * 4], [[3e6, 3e6]], [[1] * 4]),
@@ -218,6 +219,37 @@ def test_diloco_windows_ratios_and_table():
     assert "| 100 Mbit/s | 1 | mics_host_diloco | 4 | 1.50 | mics_host_q8 (2.00) | 0.75 | fsdp2_hsdp | 0.38 | 1.50 " \
         "| 1.00 | 3.00 | 1.50 | 6.0 | 30.0 |" in text
     assert [line.split(" | ")[2] for line in text.splitlines()[2:]] == ["mics_host_diloco"] * 2  # DiLoCo rows only
+
+
+
+def test_streaming_diloco_windows_refusals_and_strategy():
+    """[Note: DiLoCo's timed window] with streaming fragments (two, delay 1): a window of H steps holds one sync per
+    fragment; a warm-up whose last step or the untimed step after it sends or applies a fragment's sync is refused,
+    and so is an H the fragments do not divide; the row counts both syncs and bytes per fragment's sync; the case's
+    strategy is DiLoCo's with the quality grid's streaming settings."""
+    import cluster_rank
+
+    assert cluster_rank.syncs_per_window("mics_host_diloco_stream") == 2
+    assert cluster_rank.syncs_per_window("mics_host_diloco_q8") == 1
+    stream = ["--cases", "mics_host_diloco_stream"]
+    a = cluster.parse_args(["--sync-every", "16", "--warmup", "1", *stream])  # P = 8: sends after 7, 15; applies 8, 16
+    assert cluster.case_steps("mics_host_diloco_stream", a) == 16
+    for bad in (["--warmup", "6"], ["--warmup", "7"], ["--warmup", "8"], ["--sync-every", "3"],
+                ["--sync-every", "2", "--warmup", "2"]):  # 3, and 1 step per fragment: none inner
+        with pytest.raises(SystemExit):
+            cluster.parse_args(["--sync-every", "16", *bad, *stream])
+    cluster.parse_args(["--sync-every", "16", "--warmup", "7", "--cases", "mics_host_diloco"])  # blocking: no sync at 8
+    rec = _record("mics_host_diloco_stream", 100.0, [[3] * 4, [1] * 4, [3] * 4, [1] * 4], [[6e6, 5e6]], [[0] * 4] * 4)
+    rec.update(timed_from=2, sync_every=4, windows=1, outer_steps=[0, 1, 1, 2, 2])  # P = 2: applies after 2 and 4
+    [row] = cluster.summarize([rec])
+    assert row["syncs_timed"] == 2 and row["link_bytes_per_sync"] == pytest.approx(15e6)  # 6 MB x 5 steps over 2
+    assert (row["inner_step_s"], row["sync_step_s"]) == pytest.approx((1, 3))
+    del rec["outer_steps"]  # without the counter: the multiples of P = H / 2
+    assert cluster.summarize([rec])[0]["sync_step_s"] == pytest.approx(3)
+    strategy = cluster_rank.make_strategy("mics_host_diloco_stream_q8", None, sync_every=16)
+    keys = ("replica_sync", "sync_every", "quantize_gradients", *cluster_rank.STREAMING)
+    got = {k: getattr(strategy.config, k) for k in keys}
+    assert got == {"replica_sync": "diloco", "sync_every": 16, "quantize_gradients": True, **cluster_rank.STREAMING}
 
 
 # -- one small real run on two hosts --------------------------------------------------------------------------------
