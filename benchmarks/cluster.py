@@ -336,7 +336,7 @@ def plot(rows: Sequence[Dict[str, Any]], path: Path) -> None:
             pts = [(rates.index(r["rate_mbit"]), r["step_s"]) for r in rows
                    if r["case"] == case and r["accum"] == accum]
             if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", label=case, color=f"C{CASES.index(case)}",
+                ax.plot(*zip(*sorted(pts)), marker="o", label=case, color=plt.cm.tab20(CASES.index(case)),
                         ls="--" if case in DILOCO else "-")
         floor = [(rates.index(r["rate_mbit"]), r["floor_s"]) for r in rows
                  if r["case"] == "mics_host" and r["accum"] == accum and r["floor_s"]]
