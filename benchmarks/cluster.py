@@ -103,10 +103,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ap.error(f"--warmup {args.warmup} with --sync-every {args.sync_every}: the untimed step {args.warmup + 1} "
                  "would be a sync step, counted in the link's window ([Note: DiLoCo's timed window])")
     if any("_stream" in c for c in args.cases):
-        frags, delay = STREAMING["sync_fragments"], STREAMING["sync_delay"]
+        frags, delay = STREAMING["sync_fragments"], args.sync_delay
         if args.sync_every % frags or args.sync_every // frags <= delay:
-            ap.error(f"--sync-every {args.sync_every}: the streaming cases need a multiple of {frags} (their "
-                     f"fragments) with more than {delay} steps per fragment")
+            ap.error(f"--sync-every {args.sync_every} with --sync-delay {delay}: the streaming cases need a multiple "
+                     f"of {frags} (their fragments) with more than {delay} steps per fragment")
         period = args.sync_every // frags
         if {args.warmup % period, (args.warmup + 1) % period} & {0, (period - delay) % period}:
             ap.error(f"--warmup {args.warmup} with --sync-every {args.sync_every}: step {args.warmup} or "
@@ -143,7 +143,7 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     script = [str(BENCH / "cluster_rank.py"), "--case", case, "--accum", str(accum), "--out", str(folder),
               "--marks", str(sock)]
     steps = case_steps(case, args)
-    for k in ("width", "layers", "heads", "vocab", "seq", "batch", "warmup", "sync_every"):
+    for k in ("width", "layers", "heads", "vocab", "seq", "batch", "warmup", "sync_every", "sync_delay"):
         script += [f"--{k.replace('_', '-')}", str(getattr(args, k))]
     script += ["--steps", str(steps)]
     script += ["--timeline"] if args.timeline else []
@@ -177,7 +177,8 @@ def run_one(hosts: Any, case: str, rate: float, accum: int, args: argparse.Names
     rec["timed_from"] = args.warmup + 2  # the first step that no handshake precedes ([Note: step marks])
     if case in DILOCO:  # [Note: DiLoCo's timed window]: the syncs in the windows, from the engine's counter
         outer = ranks[0]["outer_steps"]  # outer[j]: syncs done by the end of step j + 1
-        rec.update(sync_every=args.sync_every, windows=args.windows, package=ranks[0]["package"], outer_steps=outer,
+        rec.update(sync_every=args.sync_every, sync_delay=args.sync_delay, windows=args.windows,
+                   package=ranks[0]["package"], outer_steps=outer,
                    syncs_timed=outer[last - 1] - outer[rec["timed_from"] - 2],
                    syncs_link=outer[last - 1] - outer[args.warmup - 1])
         want = args.windows * syncs_per_window(case)
@@ -246,7 +247,8 @@ def summarize(records: Iterable[Dict[str, Any]]) -> List[Dict[str, Any]]:
         row["step_over_floor"] = row["step_s"] / row["floor_s"] if row["floor_s"] else None
         if case in DILOCO:  # [Note: DiLoCo's timed window]
             k, link_steps = recs[0]["windows"] * syncs_per_window(case), len(slowest) + 1
-            row.update(sync_every=recs[0]["sync_every"], syncs_timed=k, link_window_steps=link_steps,
+            row.update(sync_every=recs[0]["sync_every"], sync_delay=recs[0].get("sync_delay"), syncs_timed=k,
+                       link_window_steps=link_steps,
                        link_bytes_per_sync=row["link_bytes"] * link_steps / k, inner_step_s=statistics.median(inner),
                        sync_step_s=statistics.median(sync))
             row["vs_inner"] = row["step_s"] / row["inner_step_s"]

@@ -27,7 +27,8 @@ same batches (drawn per global rank from a fixed seed, no sampler) and AdamW, fp
                       parallelism: the other cases are its exact peers
   mics_host_diloco_q8 mics_host_diloco with ``quantize_gradients=True``: the pseudo-gradients in int8 blocks
   mics_host_diloco_stream    mics_host_diloco streaming (``STREAMING``): two fragments synced in turn, one every
-                             H / 2 steps, its all-reduce in flight over one inner step, mixed in at 0.5
+                             H / 2 steps, its all-reduce in flight over ``--sync-delay`` inner steps (1), mixed in
+                             at 0.5
                              ([Note: streaming fragments] in lightning_mics/engine/fragments.py)
   mics_host_diloco_stream_q8 mics_host_diloco_stream with the pseudo-gradients in int8 blocks
 The MiCS cases shard every parameter (``param_persistence_threshold=0``), as FSDP2 does.
@@ -226,7 +227,7 @@ def make_module(case: str, args: argparse.Namespace):
     return Net()
 
 
-def make_strategy(case: str, clock: CommClock, sync_every: int = 16):
+def make_strategy(case: str, clock: CommClock, sync_every: int = 16, sync_delay: int = STREAMING["sync_delay"]):
     if case == "ddp":
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -241,7 +242,8 @@ def make_strategy(case: str, clock: CommClock, sync_every: int = 16):
     if case in DILOCO:
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
                             param_persistence_threshold=0, replica_sync="diloco", sync_every=sync_every,
-                            quantize_gradients=case.endswith("_q8"), **(STREAMING if "_stream" in case else {}))
+                            quantize_gradients=case.endswith("_q8"),
+                            **({**STREAMING, "sync_delay": sync_delay} if "_stream" in case else {}))
     if case.startswith("mics_host"):
         os, q8 = "_os" in case, case.endswith("_q8")
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
@@ -300,8 +302,9 @@ def run(args: argparse.Namespace) -> None:
     tokens = torch.randint(0, args.vocab, (steps * args.accum * args.batch, args.seq + 1), generator=g)
     timer = StepClock()
     module = make_module(case, args)
+    strategy = make_strategy(case, clock, args.sync_every, args.sync_delay)
     trainer = L.Trainer(accelerator="cpu", devices=RANKS_PER_HOST, num_nodes=2, max_steps=steps,
-                        accumulate_grad_batches=args.accum, strategy=make_strategy(case, clock, args.sync_every), logger=False,
+                        accumulate_grad_batches=args.accum, strategy=strategy, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         use_distributed_sampler=False, callbacks=[timer])
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=args.batch))
@@ -326,6 +329,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1, help="optimizer steps before the timed ones (>= 1)")
     ap.add_argument("--sync-every", type=int, default=16,
                     help="H of the DiLoCo cases: optimizer steps between outer syncs")
+    ap.add_argument("--sync-delay", type=int, default=STREAMING["sync_delay"],
+                    help="the streaming cases' sync_delay: inner steps a fragment's all-reduce is in flight")
     ap.add_argument("--timeline", action="store_true",
                     help="stamp every collective's issue, completion and wait in rank<k>.json (benchmarks/timeline.py)")
     return ap

@@ -235,7 +235,8 @@ def test_streaming_diloco_windows_refusals_and_strategy():
     a = cluster.parse_args(["--sync-every", "16", "--warmup", "1", *stream])  # P = 8: sends after 7, 15; applies 8, 16
     assert cluster.case_steps("mics_host_diloco_stream", a) == 16
     for bad in (["--warmup", "6"], ["--warmup", "7"], ["--warmup", "8"], ["--sync-every", "3"],
-                ["--sync-every", "2", "--warmup", "2"]):  # 3, and 1 step per fragment: none inner
+                ["--sync-every", "2", "--warmup", "2"],  # 3, and 1 step per fragment: none inner
+                ["--sync-delay", "3", "--warmup", "4"], ["--sync-delay", "8"]):  # step 5 sends; 8 >= H / 2
         with pytest.raises(SystemExit):
             cluster.parse_args(["--sync-every", "16", *bad, *stream])
     cluster.parse_args(["--sync-every", "16", "--warmup", "7", "--cases", "mics_host_diloco"])  # blocking: no sync at 8
@@ -250,6 +251,8 @@ def test_streaming_diloco_windows_refusals_and_strategy():
     keys = ("replica_sync", "sync_every", "quantize_gradients", *cluster_rank.STREAMING)
     got = {k: getattr(strategy.config, k) for k in keys}
     assert got == {"replica_sync": "diloco", "sync_every": 16, "quantize_gradients": True, **cluster_rank.STREAMING}
+    cluster.parse_args(["--sync-every", "16", "--sync-delay", "3", "--warmup", "1", *stream])  # sends after 5, 13
+    assert cluster_rank.make_strategy("mics_host_diloco_stream", None, 16, sync_delay=3).config.sync_delay == 3
 
 
 # -- one small real run on two hosts --------------------------------------------------------------------------------
