@@ -63,7 +63,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
-from cluster_rank import CASES, DILOCO, STREAMING, parser as model_parser, syncs_per_window  # noqa: E402
+from cluster_rank import CASES, DILOCO, STREAMED, STREAMING, parser as model_parser, syncs_per_window  # noqa: E402
 from timeline import phases, phases_table  # noqa: E402
 
 PEERS = ("ddp", "fsdp2_full", "fsdp2_hsdp")
@@ -102,7 +102,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if set(args.cases) & set(DILOCO) and args.sync_every > 1 and (args.warmup + 1) % args.sync_every == 0:
         ap.error(f"--warmup {args.warmup} with --sync-every {args.sync_every}: the untimed step {args.warmup + 1} "
                  "would be a sync step, counted in the link's window ([Note: DiLoCo's timed window])")
-    if any("_stream" in c for c in args.cases):
+    if set(args.cases) & set(STREAMED):
         frags, delay = STREAMING["sync_fragments"], args.sync_delay
         if args.sync_every % frags or args.sync_every // frags <= delay:
             ap.error(f"--sync-every {args.sync_every} with --sync-delay {delay}: the streaming cases need a multiple "

@@ -70,13 +70,14 @@ CASES = ("ddp", "fsdp2_full", "fsdp2_hsdp", "mics_host", "mics_twohop", "mics_ho
          "mics_twohop_q8", "mics_host_os_q8", "mics_host_diloco", "mics_host_diloco_q8", "mics_host_diloco_stream",
          "mics_host_diloco_stream_q8")
 DILOCO = tuple(c for c in CASES if "_diloco" in c)  # the replica groups apart between syncs: not exact
+STREAMED = tuple(c for c in DILOCO if "_stream" in c)  # DiLoCo's fragments synced in turn (``STREAMING``)
 # the streaming cases' settings: the quality grid's (benchmarks/diloco_quality.py, fragments=2:delay=1:mixing=0.5)
 STREAMING = {"sync_fragments": 2, "sync_delay": 1, "fragment_mixing": 0.5}
 
 
 def syncs_per_window(case: str) -> int:
     """The outer syncs in one window of H steps: one, or one per fragment when streaming."""
-    return STREAMING["sync_fragments"] if "_stream" in case else 1
+    return STREAMING["sync_fragments"] if case in STREAMED else 1
 RANKS_PER_HOST = 2
 # collective -> index of the positional argument holding its larger buffer (the output of a gather, the input of
 # a reduce-scatter); every one of them takes ``group`` and ``async_op`` keywords
@@ -243,7 +244,7 @@ def make_strategy(case: str, clock: CommClock, sync_every: int = 16, sync_delay:
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
                             param_persistence_threshold=0, replica_sync="diloco", sync_every=sync_every,
                             quantize_gradients=case.endswith("_q8"),
-                            **({**STREAMING, "sync_delay": sync_delay} if "_stream" in case else {}))
+                            **({**STREAMING, "sync_delay": sync_delay} if case in STREAMED else {}))
     if case.startswith("mics_host"):
         os, q8 = "_os" in case, case.endswith("_q8")
         return MiCSStrategy(sharded_data_parallel_degree=RANKS_PER_HOST, ranks_per_node=RANKS_PER_HOST,
