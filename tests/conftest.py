@@ -13,37 +13,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # The suite runs on two pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadgroup``): a test file whose
 # tests share a fixture wider than one test (a module's launch of ranks, the built wheel) goes to one worker whole,
 # so nothing is launched twice; any other test goes to whichever worker is free. The files that take longest start
-# first so that both workers end together (seconds measured by ``--durations=0`` on the 2-core machine; a file not
-# listed keeps its place after these, and a stale figure only costs time).
+# first so that both workers end together (a worker's seconds per file from ``--durations=0`` on the 2-core machine,
+# 2026-12-03; a file not listed keeps its place after these, and a stale figure only costs time).
 SLOW_FIRST = [
-    "tests/trainer/test_lightning_compat.py",  # 160 s
-    "tests/engine/test_compile.py",  # 126 s: one launch of 20 compiled cases (2026-12-02)
-    "tests/trainer/test_reliability.py",  # 118 s
-    "tests/app/test_app_progress.py",  # 114 s
-    "tests/benchmarks/test_gpu_ready.py",  # 103 s
-    "tests/fault_tolerance/test_fault_tolerance.py",  # 96 s
-    "tests/app/test_many_hosts.py",  # 92 s
-    "tests/fabric/test_fabric_litgpt.py",  # 67 s (2026-12-02)
-    "tests/trainer/test_weight_averaging.py",  # 87 s
-    "tests/comm/test_late_collectives.py",  # 84 s
-    "tests/user_code/test_writes_between_steps.py",  # 76 s
-    "tests/comm/test_chained_collectives.py",  # 75 s
-    "tests/app/test_resume_world_size.py",  # 72 s
-    "tests/engine/test_layouts.py",  # 69 s
-    "tests/benchmarks/test_gpu_checks.py",  # 68 s
-    "tests/app/test_train_app.py",  # 68 s
-    "tests/project/test_wheel.py",  # 67 s
-    "tests/diloco/test_diloco.py",  # 66 CPU-s (-n 0, 2026-12-02)
-    "tests/options/test_bad_inputs.py",  # 62 s
-    "tests/engine/test_quantized_training.py",  # 58 s
-    "tests/benchmarks/test_cluster_benchmark.py",  # 57 s
-    "tests/kernels/test_kernel_tables.py",  # 57 s
-    "tests/checkpoint/test_sharded_checkpoint.py",  # 53 s
-    "tests/engine/test_equivalence.py",  # 52 s
-    "tests/fault_tolerance/test_ft_diloco.py",  # with tests/diloco: 95 CPU-s, 100 s of wall (-n 0, 2026-12-02)
-    "tests/user_code/test_masters_moved.py",  # 51 s
-    "tests/checkpoint/test_checkpoint_beside.py",  # 47 s
-    "tests/kernels/test_quant_kernels.py",  # 45 s
+    "tests/trainer/test_reliability.py",  # 177 s
+    "tests/trainer/test_lightning_compat.py",  # 155 s
+    "tests/benchmarks/test_gpu_ready.py",  # 137 s
+    "tests/fault_tolerance/test_fault_tolerance.py",  # 122 s
+    "tests/app/test_many_hosts.py",  # 115 s
+    "tests/fault_tolerance/test_ft_diloco.py",  # 112 s
+    "tests/engine/test_compile.py",  # 99 s with inductor's cache empty (about 30 warm)
+    "tests/trainer/test_weight_averaging.py",  # 98 s
+    "tests/kernels/test_kernel_tables.py",  # 94 s
+    "tests/app/test_train_app.py",  # 82 s
+    "tests/comm/test_chained_collectives.py",  # 79 s
+    "tests/comm/test_late_collectives.py",  # 75 s
+    "tests/options/test_bad_inputs.py",  # 70 s
+    "tests/fabric/test_fabric_litgpt.py",  # 67 s
+    "tests/app/test_app_progress.py",  # 66 s
+    "tests/engine/test_layouts.py",  # 66 s
+    "tests/user_code/test_writes_between_steps.py",  # 64 s
+    "tests/engine/test_equivalence.py",  # 63 s
+    "tests/project/test_wheel.py",  # 61 s
+    "tests/benchmarks/test_cluster_benchmark.py",  # 59 s
+    "tests/benchmarks/test_gpu_checks.py",  # 55 s
+    "tests/user_code/test_masters_moved.py",  # 52 s
+    "tests/engine/test_quantized_training.py",  # 48 s
+    "tests/checkpoint/test_sharded_checkpoint.py",  # 48 s
+    "tests/kernels/test_quant_kernels.py",  # 47 s
 ]
 _WIDE = ("module", "package", "session", "class")
 
