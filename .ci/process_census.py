@@ -1,0 +1,179 @@
+"""Where a command's CPU goes, process by process: every process that ends while it runs is recorded by the
+kernel's process accounting (``acct(2)``: root only), so nothing is missed, whether it exits, calls ``os._exit``
+or is killed. Run as the test suite's command, it also names the test each process belonged to.
+
+    python .ci/process_census.py python -m pytest -q -p no:cacheprovider
+
+Prints the CPU-seconds by kind of process (a rank forked from a test launcher's fork server, a fresh Python
+interpreter, a pytest-xdist worker, a compiler, ...), then by test file and by test, and exits with the command's
+status. A process whose parent ended before it (an orphan) is counted but put on no test. The raw records stay in
+``--keep DIR`` when given. The same module is the pytest plugin that logs each
+test's worker, start and end and the worker's fork server (``PYTEST_PLUGINS=process_census``, set here).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# struct acct_v3 (linux/acct.h): flag, version, tty, exitcode, uid, gid, pid, ppid, btime, etime, then 8 comp_t
+# (utime, stime, mem, io, rw, minflt, majflt, swaps) and the command's name; times in AHZ = 100 ticks a second.
+_RECORD = struct.Struct("<BBHIIIIIIf8H16s")
+_FORKED = 0x01  # AFORK: forked and never exec'd
+_TOOLS = {"cc1plus", "ld", "as", "g++", "gcc", "collect2"}  # inductor's C++ builds
+_KIND_ORDER = ["forked rank", "fresh python", "fork server", "xdist worker", "pytest", "compiler", "other"]
+
+
+def _ticks(comp: int) -> float:
+    return ((comp & 0x1FFF) << (3 * ((comp >> 13) & 7))) / 100
+
+
+def read_records(path: Path) -> list:
+    data = path.read_bytes()
+    out = []
+    for off in range(0, len(data) - _RECORD.size + 1, _RECORD.size):
+        f = _RECORD.unpack_from(data, off)
+        out.append({"flag": f[0], "pid": f[6], "ppid": f[7], "began": f[8], "cpu": _ticks(f[10]) + _ticks(f[11]),
+                    "comm": f[18].split(b"\0")[0].decode(errors="replace")})
+    return out
+
+
+def read_tests(folder: Path) -> tuple:
+    """{worker pid: [(start, end, nodeid)]} and {fork server pid: worker pid} from the plugin's logs."""
+    tests, servers = collections.defaultdict(list), {}
+    for path in folder.glob("tests.*.log"):
+        for line in path.read_text().splitlines():
+            worker, start, end, nodeid, server = line.split("\t")
+            tests[int(worker)].append((float(start), float(end), nodeid))
+            if server != "None":
+                servers[int(server)] = int(worker)
+    for runs in tests.values():
+        runs.sort()
+    return tests, servers
+
+
+def report(records: list, tests: dict, servers: dict) -> str:
+    by_pid = {r["pid"]: r for r in records}
+    controllers = {by_pid[w]["ppid"] for w in tests if w in by_pid}  # the process that started the workers
+
+    def worker_of(r):
+        for _ in range(20):  # a fork server outlives its worker's record: known from the plugin's log
+            if r["pid"] in tests:
+                return r["pid"]
+            if r["ppid"] in servers:
+                return servers[r["ppid"]]
+            if r["ppid"] in tests:
+                return r["ppid"]
+            r = by_pid.get(r["ppid"])
+            if r is None:
+                return None
+        return None
+
+    def kind_of(r):
+        if r["pid"] in tests:
+            return "xdist worker"
+        if r["pid"] in servers:
+            return "fork server"
+        if r["pid"] in controllers:
+            return "pytest"
+        if r["comm"] in _TOOLS:
+            return "compiler"
+        if r["flag"] & _FORKED:  # a process that never exec'd carries its parent's program: Python here
+            return "forked rank" if r["ppid"] in servers else "other"
+        return "fresh python" if r["comm"].startswith(("python", "pt_", "gloo", "torch", "lightning")) else "other"
+
+    def test_of(r, worker):
+        if r["pid"] in tests or r["pid"] in servers or r["pid"] in controllers:
+            return "(pytest and its fork servers)"
+        found = "(not attributed)"
+        for start, end, nodeid in tests.get(worker, ()):  # in the order they ran
+            if start <= r["began"] + 1 and r["began"] <= end:  # btime is cut to the second: the latest such test
+                found = nodeid
+        return found
+
+    kinds, counts = collections.Counter(), collections.Counter()
+    by_file, by_test = collections.defaultdict(collections.Counter), collections.defaultdict(collections.Counter)
+    for r in records:
+        kind, test = kind_of(r), test_of(r, worker_of(r))
+        kinds[kind] += r["cpu"]
+        counts[kind] += 1
+        by_file[test.split("::")[0]][kind] += r["cpu"]
+        by_test[test][kind] += r["cpu"]
+    total = sum(kinds.values())
+    lines = [f"{len(records)} processes, {total:.1f} CPU-s", "", "kind            processes   CPU-s  share"]
+    for kind in _KIND_ORDER:
+        lines.append(f"{kind:<16}{counts[kind]:>9}{kinds[kind]:>8.1f}{kinds[kind] / max(total, 1e-9):>7.0%}")
+    for title, table, n in (("file", by_file, 40), ("test", by_test, 30)):
+        lines += ["", f"CPU-s by {title}: total, then " + ", ".join(_KIND_ORDER[:2])]
+        for name, c in sorted(table.items(), key=lambda kv: -sum(kv[1].values()))[:n]:
+            lines.append(f"{sum(c.values()):8.1f} {c['forked rank']:7.1f} {c['fresh python']:7.1f}  {name}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if os.environ.get("CENSUS_DIR"):
+        sys.exit("process_census: a census is running already (process accounting is one file per machine)")
+    argv = sys.argv[1:]
+    keep = None
+    if argv[:1] == ["--keep"]:
+        keep, argv = Path(argv[1]), argv[2:]
+    folder = keep or Path(tempfile.mkdtemp(prefix="census-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    accounting = folder / "acct.bin"
+    accounting.write_bytes(b"")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.acct(str(accounting).encode()) != 0:
+        sys.exit(f"process_census: acct({accounting}) failed: {os.strerror(ctypes.get_errno())} (it needs root)")
+    env = dict(os.environ, CENSUS_DIR=str(folder),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+               PYTEST_PLUGINS=",".join(filter(None, ["process_census", os.environ.get("PYTEST_PLUGINS")])))
+    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans (a fork server outliving pytest) end here
+    began = time.monotonic()
+    try:
+        rc = subprocess.call(argv, env=env)
+        while True:  # wait for them, so that their records are written before accounting stops
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                break
+    finally:
+        libc.acct(None)
+    print(f"\nprocess census of {' '.join(argv)} ({time.monotonic() - began:.1f} s):")
+    records = [r for r in read_records(accounting) if r["pid"] != os.getpid()]  # turning accounting off records
+    print(report(records, *read_tests(folder)), flush=True)  # the process that did it
+    return rc
+
+
+# -- the pytest plugin (loaded in each worker through PYTEST_PLUGINS) --------------------------------------------
+_STARTS: dict = {}
+_RUNS_TESTS = [False]
+
+
+def pytest_configure(config):
+    """Only the processes that run tests log them (an xdist controller sees every worker's reports too)."""
+    _RUNS_TESTS[0] = hasattr(config, "workerinput") or getattr(config.option, "dist", "no") == "no"
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _STARTS[nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    import multiprocessing.forkserver
+
+    folder = os.environ.get("CENSUS_DIR")
+    if folder and _RUNS_TESTS[0]:
+        server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        with open(Path(folder) / f"tests.{os.getpid()}.log", "a") as f:
+            f.write(f"{os.getpid()}\t{_STARTS.pop(nodeid, time.time()):.2f}\t{time.time():.2f}\t{nodeid}\t{server}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+""".ci/cpu_seconds.py and .ci/process_census.py, the tools CONTRIBUTING.md measures the suite with, on a command whose
+CPU is known: a parent and the child it forks each spin for a set CPU time, and the child outlives the parent."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.launch import REPO
+
+# The parent spins 0.6 CPU-s, forks a child that spins 0.9 and is still spinning when the parent exits (an orphan).
+BURN = """
+import os, time
+def spin(s):
+    t = time.process_time()
+    while time.process_time() - t < s:
+        pass
+if os.fork() == 0:
+    time.sleep(0.3); spin(0.9); os._exit(0)
+spin(0.6)
+"""
+
+
+def _run(tool, *extra):
+    proc = subprocess.run([sys.executable, str(REPO / ".ci" / tool), *extra, sys.executable, "-c", BURN],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_cpu_seconds_counts_the_orphan_too():
+    cpu = float(re.search(r"cpu_s=([0-9.]+) wall_s=[0-9.]+ rc=0", _run("cpu_seconds.py")).group(1))
+    assert 1.4 <= cpu <= 2.5, cpu  # 1.5 spun, plus the interpreter's start
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="process accounting (acct(2)) needs root")
+@pytest.mark.skipif("CENSUS_DIR" in os.environ, reason="a census of the suite is running: accounting is one per machine")
+def test_process_census_records_each_process_by_kind(tmp_path):
+    out = _run("process_census.py", "--keep", str(tmp_path))
+    total = float(re.search(r"(\d+) processes, ([0-9.]+) CPU-s", out).group(2))
+    assert 1.4 <= total <= 2.5, out
+    fresh = re.search(r"fresh python\s+(\d+)\s+([0-9.]+)", out)
+    other = re.search(r"other\s+(\d+)\s+([0-9.]+)", out)  # the child never exec'd and no fork server made it
+    assert int(fresh.group(1)) == 1 and 0.5 <= float(fresh.group(2)) <= 1.6, out
+    assert 0.85 <= float(other.group(2)) <= 1.2, out
+    assert (tmp_path / "acct.bin").stat().st_size % 64 == 0
