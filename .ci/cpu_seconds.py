@@ -17,15 +17,21 @@ import time
 PR_SET_CHILD_SUBREAPER = 36
 
 
-def main() -> int:
+def run_reaping(argv, env=None) -> int:
+    """Runs ``argv`` as a child subreaper and waits for it and every orphan it leaves; returns its exit status."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    began = time.monotonic()
-    rc = subprocess.call(sys.argv[1:])
+    rc = subprocess.call(argv, env=env)
     while True:  # orphans reparented to us: wait for each, so their time is counted
         try:
             os.waitpid(-1, 0)
         except ChildProcessError:
             break
+    return rc
+
+
+def main() -> int:
+    began = time.monotonic()
+    rc = run_reaping(sys.argv[1:])
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(f"cpu_s={usage.ru_utime + usage.ru_stime:.1f} wall_s={time.monotonic() - began:.1f} rc={rc}", flush=True)
     return rc

@@ -17,11 +17,12 @@ import collections
 import ctypes
 import os
 import struct
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from cpu_seconds import run_reaping  # beside this file
 
 # struct acct_v3 (linux/acct.h): flag, version, tty, exitcode, uid, gid, pid, ppid, btime, etime, then 8 comp_t
 # (utime, stime, mem, io, rw, minflt, majflt, swaps) and the command's name; times in AHZ = 100 ticks a second.
@@ -134,15 +135,9 @@ def main() -> int:
     env = dict(os.environ, CENSUS_DIR=str(folder),
                PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
                PYTEST_PLUGINS=",".join(filter(None, ["process_census", os.environ.get("PYTEST_PLUGINS")])))
-    libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: orphans (a fork server outliving pytest) end here
     began = time.monotonic()
-    try:
-        rc = subprocess.call(argv, env=env)
-        while True:  # wait for them, so that their records are written before accounting stops
-            try:
-                os.waitpid(-1, 0)
-            except ChildProcessError:
-                break
+    try:  # orphans (a fork server outliving pytest) are waited for, so their records are written before it stops
+        rc = run_reaping(argv, env)
     finally:
         libc.acct(None)
     print(f"\nprocess census of {' '.join(argv)} ({time.monotonic() - began:.1f} s):")
