@@ -46,6 +46,26 @@ def read_records(path: Path) -> list:
     return out
 
 
+def descendants(records: list, root: int) -> list:
+    """The records of ``root``'s descendants: accounting is one per machine and records every process that ends
+    while it is on (and ``root`` itself as it turns it off). Each of them has ended by then (``run_reaping``)."""
+    by_pid = {r["pid"]: r for r in records}
+    mine = {}
+
+    def is_mine(r) -> bool:
+        seen = []
+        while r["pid"] not in mine and r["ppid"] != root and r["ppid"] in by_pid and len(seen) < 64:
+            seen.append(r["pid"])
+            r = by_pid[r["ppid"]]
+        found = mine.get(r["pid"], r["ppid"] == root)
+        for pid in seen:
+            mine[pid] = found
+        mine[r["pid"]] = found
+        return found
+
+    return [r for r in records if r["pid"] != root and is_mine(r)]
+
+
 def read_tests(folder: Path) -> tuple:
     """{worker pid: [(start, end, nodeid)]} and {fork server pid: worker pid} from the plugin's logs."""
     tests, servers = collections.defaultdict(list), {}
@@ -141,8 +161,7 @@ def main() -> int:
     finally:
         libc.acct(None)
     print(f"\nprocess census of {' '.join(argv)} ({time.monotonic() - began:.1f} s):")
-    records = [r for r in read_records(accounting) if r["pid"] != os.getpid()]  # turning accounting off records
-    print(report(records, *read_tests(folder)), flush=True)  # the process that did it
+    print(report(descendants(read_records(accounting), os.getpid()), *read_tests(folder)), flush=True)
     return rc
 
 
