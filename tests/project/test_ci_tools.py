@@ -38,11 +38,13 @@ def test_cpu_seconds_counts_the_orphan_too():
 @pytest.mark.skipif(os.geteuid() != 0, reason="process accounting (acct(2)) needs root")
 @pytest.mark.skipif("CENSUS_DIR" in os.environ, reason="a census of the suite is running: accounting is one per machine")
 def test_process_census_records_each_process_by_kind(tmp_path):
+    """Accounting's CPU times are samples at the kernel's ticks, which on a loaded machine may be far off for one
+    short process (0.2 recorded for the 0.9 s spin, seen with five busy processes on two cores): the exact total
+    comes from the kernel's clock; what the records must get right is which processes there were, and of what kind."""
     out = _run("process_census.py", "--keep", str(tmp_path))
-    total = float(re.search(r"(\d+) processes, ([0-9.]+) CPU-s", out).group(2))
-    assert 1.4 <= total <= 2.5, out
-    fresh = re.search(r"fresh python\s+(\d+)\s+([0-9.]+)", out)
-    other = re.search(r"other\s+(\d+)\s+([0-9.]+)", out)  # the child never exec'd and no fork server made it
-    assert int(fresh.group(1)) == 1 and 0.5 <= float(fresh.group(2)) <= 1.6, out
-    assert 0.85 <= float(other.group(2)) <= 1.2, out
+    exact = float(re.search(r"exact CPU of all of it, from the kernel's clock: ([0-9.]+) s", out).group(1))
+    assert 1.5 <= exact <= 2.5, out
+    assert int(re.search(r"(\d+) processes, ([0-9.]+) CPU-s", out).group(1)) == 2, out
+    assert re.search(r"fresh python\s+1\s", out), out  # the command
+    assert re.search(r"other\s+1\s", out), out  # its child, which never exec'd and which no fork server made
     assert (tmp_path / "acct.bin").stat().st_size % 64 == 0
