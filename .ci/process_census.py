@@ -10,8 +10,8 @@ exact 2,197 for the whole suite), and the exact total is printed beside it.
 Prints the CPU-seconds by kind of process (a rank forked from a test launcher's fork server, a fresh Python
 interpreter, a pytest-xdist worker, a compiler, ...), then by test file and by test, and exits with the command's
 status. A process whose parent ended before it (an orphan) is counted but put on no test. The raw records stay in
-``--keep DIR`` when given. The same module is the pytest plugin that logs each
-test's worker, start and end and the worker's fork server (``PYTEST_PLUGINS=process_census``, set here).
+``--keep DIR`` when given. The same module is the pytest plugin that logs each test's worker, start and end and the
+worker's fork server (``PYTEST_PLUGINS=process_census``, set here).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def read_records(path: Path) -> list:
     out = []
     for off in range(0, len(data) - _RECORD.size + 1, _RECORD.size):
         f = _RECORD.unpack_from(data, off)
-        out.append({"flag": f[0], "pid": f[6], "ppid": f[7], "began": f[8], "cpu": _ticks(f[10]) + _ticks(f[11]),
-                    "comm": f[18].split(b"\0")[0].decode(errors="replace")})
+        out.append({"flag": f[0], "pid": f[6], "ppid": f[7], "began": f[8], "lasted": f[9] / 100,
+                    "cpu": _ticks(f[10]) + _ticks(f[11]), "comm": f[18].split(b"\0")[0].decode(errors="replace")})
     return out
 
 
@@ -117,10 +117,14 @@ def report(records: list, tests: dict, servers: dict) -> str:
     def test_of(r, worker):
         if r["pid"] in tests or r["pid"] in servers or r["pid"] in controllers:
             return "(pytest and its fork servers)"
-        found = "(not attributed)"
-        for start, end, nodeid in tests.get(worker, ()):  # in the order they ran
-            if start <= r["began"] + 1 and r["began"] <= end:  # btime is cut to the second: the latest such test
-                found = nodeid
+        # The test whose window the process's life overlaps most; btime is cut to the second, so a process that
+        # overlaps none is put on the nearest test within a second.
+        began, ended = r["began"], r["began"] + r["lasted"]
+        found, most = "(not attributed)", -1.0
+        for start, end, nodeid in tests.get(worker, ()):
+            overlap = min(end, ended) - max(start, began)
+            if overlap > most and overlap > -1:
+                found, most = nodeid, overlap
         return found
 
     kinds, counts = collections.Counter(), collections.Counter()

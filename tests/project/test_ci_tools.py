@@ -48,3 +48,23 @@ def test_process_census_records_each_process_by_kind(tmp_path):
     assert re.search(r"fresh python\s+1\s", out), out  # the command
     assert re.search(r"other\s+1\s", out), out  # its child, which never exec'd and which no fork server made
     assert (tmp_path / "acct.bin").stat().st_size % 64 == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="process accounting (acct(2)) needs root")
+@pytest.mark.skipif("CENSUS_DIR" in os.environ, reason="a census of the suite is running: accounting is one per machine")
+def test_process_census_puts_each_process_on_its_test(tmp_path):
+    """Run as a pytest command, the census's plugin logs each test's window: the interpreter a test starts is put on
+    that test, and nothing on the test that starts none."""
+    (tmp_path / "test_two.py").write_text(
+        "import subprocess, sys\n"
+        "def test_starts_one():\n"
+        f"    subprocess.run([sys.executable, '-c', {BURN!r}], check=True)\n"
+        "def test_starts_none():\n"
+        "    pass\n")
+    proc = subprocess.run([sys.executable, str(REPO / ".ci" / "process_census.py"), sys.executable, "-m", "pytest",
+                           "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "test_two.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    by_test = proc.stdout.split("CPU-s by test")[1]
+    assert re.search(r"\n\s+[0-9.]+\s+0\.0\s+[0-9.]+\s+test_two\.py::test_starts_one\n", by_test), proc.stdout
+    assert "test_starts_none" not in by_test, proc.stdout  # it started no process
