@@ -30,6 +30,9 @@ def run_reaping(argv, env=None) -> int:
 
 
 def main() -> int:
+    if sys.argv[1:2] in ([], ["-h"], ["--help"]):
+        print(__doc__)
+        return 0 if sys.argv[1:] else 2
     began = time.monotonic()
     rc = run_reaping(sys.argv[1:])
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -151,8 +151,11 @@ def main() -> int:
         sys.exit("process_census: a census is running already (process accounting is one file per machine)")
     argv = sys.argv[1:]
     keep = None
-    if argv[:1] == ["--keep"]:
+    if argv[:1] == ["--keep"] and len(argv) > 1:
         keep, argv = Path(argv[1]), argv[2:]
+    if argv[:1] in ([], ["-h"], ["--help"], ["--keep"]):  # nothing to run: accounting is not turned on
+        print(__doc__)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     folder = keep or Path(tempfile.mkdtemp(prefix="census-"))
     folder.mkdir(parents=True, exist_ok=True)
     accounting = folder / "acct.bin"

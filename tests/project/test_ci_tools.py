@@ -1,6 +1,7 @@
 """.ci/cpu_seconds.py and .ci/process_census.py, the tools CONTRIBUTING.md measures the suite with, on a command whose
 CPU is known: a parent and the child it forks each spin for a set CPU time, and the child outlives the parent."""
 
+import ast
 import os
 import re
 import subprocess
@@ -68,3 +69,19 @@ def test_process_census_puts_each_process_on_its_test(tmp_path):
     by_test = proc.stdout.split("CPU-s by test")[1]
     assert re.search(r"\n\s+[0-9.]+\s+0\.0\s+[0-9.]+\s+test_two\.py::test_starts_one\n", by_test), proc.stdout
     assert "test_starts_none" not in by_test, proc.stdout  # it started no process
+
+
+@pytest.mark.parametrize("tool", ["cpu_seconds.py", "process_census.py"])
+def test_ci_tools_given_no_command_print_their_use_and_run_nothing(tool, tmp_path):
+    """``--help`` prints the module's docstring and exits 0; no command at all (or ``--keep`` alone) exits 2. Neither
+    runs anything: before, the census ran ``--help`` as the command under process accounting."""
+    calls = [(["--help"], 0), ([], 2)]
+    if tool == "process_census.py":
+        calls.append((["--keep", str(tmp_path / "kept")], 2))
+    doc = ast.get_docstring(ast.parse((REPO / ".ci" / tool).read_text()), clean=False).strip()
+    for extra, code in calls:
+        proc = subprocess.run([sys.executable, str(REPO / ".ci" / tool), *extra], capture_output=True, text=True,
+                              timeout=60, env={k: v for k, v in os.environ.items() if k != "CENSUS_DIR"})
+        assert proc.returncode == code, (extra, proc.stdout + proc.stderr)
+        assert proc.stdout.strip() == doc
+    assert not (tmp_path / "kept").exists()
