@@ -37,6 +37,7 @@ REPLICA_SYNCS = ("exact", "diloco")
 # the outer optimizer's defaults: DiLoCo's (arXiv 2311.08105: Nesterov SGD, lr 0.7, momentum 0.9); H as torchft's examples
 OUTER_DEFAULTS = {"sync_every": 16, "outer_lr": 0.7, "outer_momentum": 0.9, "outer_nesterov": True,
                   "sync_fragments": 1, "sync_delay": 0, "fragment_mixing": 0.0}  # streaming: off
+_MAX_TIMEOUT_S = timedelta.max.total_seconds()  # the process groups take their timeout as a timedelta
 
 
 def _fail(option: str, value: Any, allowed: str) -> None:
@@ -211,10 +212,12 @@ def check_fragments(cfg: Any) -> None:
 
 
 def check_diloco_layout(cfg: Any, s: int, r: int) -> None:
-    """DiLoCo needs several replica groups ([Note: DiLoCo across replica groups]); under fault tolerance they are
-    the torchrun jobs beyond this world."""
+    """DiLoCo's replicas ([Note: DiLoCo across replica groups]): groups in this world, or one per fault-tolerant job."""
     if cfg.replica_sync == "diloco" and r == 1 and not cfg.fault_tolerance:
         _fail("replica_sync", "diloco", f"'exact' with sharded_data_parallel_degree={s} and one replica group")
+    if cfg.replica_sync == "diloco" and cfg.fault_tolerance and r > 1:
+        _fail("sharded_data_parallel_degree", s,
+              f"{s * r} (one replica per group) with fault_tolerance=True and replica_sync='diloco'")
 
 
 @dataclass
@@ -321,8 +324,8 @@ class MiCSConfig:
                   "'full' (one file, gathered on rank 0); both load under any layout")
         given = self.timeout  # seconds, or a timedelta as Lightning's own strategies take it
         seconds = given.total_seconds() if isinstance(given, timedelta) else given
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
-            _fail("timeout", given, "a positive number of seconds or a positive datetime.timedelta")
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < _MAX_TIMEOUT_S:
+            _fail("timeout", given, "a positive number of seconds or a positive datetime.timedelta, finite (< 8.64e13 s)")
         self.timeout = float(seconds)
         if not isinstance(self.stop_on_nonfinite, bool):
             _fail("stop_on_nonfinite", self.stop_on_nonfinite, "True or False")

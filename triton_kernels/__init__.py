@@ -24,7 +24,7 @@ Not to be confused with the `triton_kernels` package in Triton's own repository 
 `triton-kernels` distribution on PyPI; this one belongs to lightning-mics.
 """
 
-from ._backend import AUTO_MIN_NUMEL, BACKENDS, triton_available
+from ._backend import AUTO_MIN_NUMEL, BACKENDS, triton_available, triton_unusable
 from ._checks import SUPPORTED_DTYPES
 from ._quant_layout import MAX_BLOCK_SIZE, QuantLayout, quant_layout, wire_views
 from ._table import TableStats, reset_table_stats, table_stats
@@ -33,4 +33,4 @@ from .quant_api import Quantized, dequantize, dequantize_sum, quantize
 
 __all__ = ["AUTO_MIN_NUMEL", "BACKENDS", "MAX_BLOCK_SIZE", "QuantLayout", "Quantized", "SUPPORTED_DTYPES",
            "TableStats", "chunk_cat", "chunk_split", "dequantize", "dequantize_sum", "flatten", "quant_layout",
-           "quantize", "reset_table_stats", "scatter", "table_stats", "triton_available", "wire_views"]
+           "quantize", "reset_table_stats", "scatter", "table_stats", "triton_available", "triton_unusable", "wire_views"]

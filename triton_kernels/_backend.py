@@ -64,13 +64,20 @@ def use_triton(backend: str, device: torch.device | None, numel: int | None = No
     if backend == "auto":
         return (device.type == "cuda" and (numel is None or numel >= AUTO_MIN_NUMEL) and triton_available()
                 and not kernels_interpreted())
-    if not triton_available():
-        raise RuntimeError("backend='triton' needs the optional `triton` package (pip install triton)")
-    interpreted = kernels_interpreted()
-    if device.type == "cpu" and not interpreted:
-        raise RuntimeError("backend='triton' on CPU tensors runs only under TRITON_INTERPRET=1, set before "
-                           "the first Triton call; use backend='torch' or 'auto' on CPU")
-    if device.type != "cpu" and interpreted:
-        raise RuntimeError(f"backend='triton' under TRITON_INTERPRET=1 works on CPU tensors only, got {device}: "
-                           "the interpreter cannot follow the device pointers in the descriptor table")
+    why = triton_unusable(device.type)
+    if why is not None:
+        raise RuntimeError(f"backend='triton': {why}")
     return True
+
+
+def triton_unusable(device_type: str) -> str | None:
+    """Why the Triton kernels cannot run on ``device_type`` tensors in this process (None: they can)."""
+    if not triton_available():
+        return "the optional triton package is not installed (pip install triton)"
+    interpreted = kernels_interpreted()
+    if device_type == "cpu" and not interpreted:
+        return "on CPU tensors they run only under TRITON_INTERPRET=1, set before the first Triton call"
+    if device_type != "cpu" and (device_type != "cuda" or interpreted):
+        return (f"on {device_type} tensors they run only compiled for CUDA (the interpreter of TRITON_INTERPRET=1 "
+                "cannot follow the device pointers in the descriptor table)")
+    return None

@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from lightning_mics_kernels import triton_unusable
 
 from lightning_mics.checkpoint import state as ckpt
 from lightning_mics.checkpoint import steps as steps
@@ -182,6 +183,15 @@ def check_precision(options: MiCSOptions, precision: Optional[str]) -> None:
         raise ValueError("MiCSStrategy option stop_on_nonfinite=True is invalid with precision='16-mixed': "
                          "allowed is False there (the loss scaler skips a step with inf/NaN gradients on every "
                          "rank and lowers the scale); True with any other precision.")
+
+
+def check_kernels(options: MiCSOptions, device_type: str) -> None:
+    """``kernels="triton"`` where Triton's kernels cannot run, refused before any process starts (both front ends),
+    not at the first forward's bucket copy."""
+    why = triton_unusable(device_type) if options.kernels == "triton" else None
+    if why is not None:
+        raise ValueError(f"MiCSStrategy option kernels='triton' is invalid here: {why}; allowed is 'auto' (Triton "
+                         "where it runs, torch elsewhere) or 'torch'.")
 
 
 def check_checkpoint_io(options: MiCSOptions, io: Any) -> None:

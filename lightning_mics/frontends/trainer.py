@@ -172,6 +172,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if self.options.fault_tolerance:
             check_environment()
         shared.check_precision(self.options, self.precision_plugin.precision)
+        shared.check_kernels(self.options, self.parallel_devices[0].type if self.parallel_devices else "cpu")
         if not self.cluster_environment.creates_processes_externally:
             if self._start_method == "popen":
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,

@@ -530,14 +530,21 @@ def case_order():
     return res
 
 
-def case_nonfinite():
-    """stop_on_nonfinite=True: a NaN gradient on one rank stops every rank before the optimizer step."""
+def case_nonfinite(kind="both"):
+    """stop_on_nonfinite=True: a NaN loss and gradient on one rank stops every rank before the optimizer step;
+    ``kind`` "loss": a NaN added to one rank's loss of the first of two accumulated micro-batches (its gradients
+    finite) stops them too."""
     fabric = new_fabric(WORLD, stop_on_nonfinite=True)
     model, opt, _ = setup(fabric, "split", "sgd")
     before = full_state(fabric, model)
     x = local(batches(1)[0, 0], fabric)
-    loss = lm_loss(model, x)
-    fabric.backward(loss * (float("nan") if fabric.global_rank == 1 else 1.0))
+    nan = float("nan") if fabric.global_rank == 1 else 1.0
+    if kind == "loss":
+        with fabric.no_backward_sync(model):
+            fabric.backward(lm_loss(model, x) + (nan - 1.0))
+        fabric.backward(lm_loss(model, x))
+    else:
+        fabric.backward(lm_loss(model, x) * nan)
     try:
         opt.step()
     except lightning_mics.frontends.reliability.NonFiniteError as err:

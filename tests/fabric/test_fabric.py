@@ -132,7 +132,7 @@ def test_error_feedback_rows_over_replicas_load_into_a_live_model(four):
 def test_two_ranks_resume_four_rank_checkpoints_load_raw_setup_order_nonfinite(four, tmp_path):
     src, _ = four
     results = run_ranks(SCRIPT, 2, ["--world", "2", "--cases", f"load:2:{src}", "equiv:2:2:sgd:norm:split", "order",
-                                    "nonfinite"], tmp_path)
+                                    "nonfinite", "nonfinite:loss"], tmp_path)
     load = results[0][f"load:2:{src}"]
     for fmt in ("sharded", "full"):
         assert load[fmt]["rel"] <= 1e-5 and load[fmt]["step"] == 2, (fmt, load)
@@ -143,9 +143,11 @@ def test_two_ranks_resume_four_rank_checkpoints_load_raw_setup_order_nonfinite(f
         assert "SGD(fused=True)" in r["order"]["fused_error"] and "aten._fused_sgd_" in r["order"]["fused_error"] \
             and "Allowed: SGD(foreach=True)" in r["order"]["fused_error"], r["order"]
         assert "Rprop" in (r["order"]["rprop_error"] or "") and "param_persistence_threshold" in r["order"]["rprop_error"]
-        # stop_on_nonfinite acts under Fabric: a NaN on rank 1 stops every rank before the step
-        assert "non-finite gradient norm" in (r["nonfinite"]["error"] or ""), r["nonfinite"]
-    assert results[0]["nonfinite"]["unchanged"]  # stopped before the step changed a parameter
+        # stop_on_nonfinite acts under Fabric: a NaN on rank 1 stops every rank before the step, named as what it was
+        assert "non-finite loss on rank(s) [1] and gradient norm" in (r["nonfinite"]["error"] or ""), r["nonfinite"]
+        # a non-finite loss whose gradients are finite, in an accumulated micro-batch (before: the step was taken)
+        assert "non-finite loss on rank(s) [1] at" in (r["nonfinite:loss"]["error"] or ""), r["nonfinite:loss"]
+    assert results[0]["nonfinite"]["unchanged"] and results[0]["nonfinite:loss"]["unchanged"]  # before the step
 
 
 def test_registered():

@@ -73,6 +73,9 @@ ROWS = [
     ("state-dict-type-x", BOTH, dict(state_dict_type="x"), {}, ["state_dict_type='x'", "allowed is 'sharded'", "'full'"]),
     ("state-dict-type-zip", CONFIG, dict(state_dict_type="zip"), None, ["state_dict_type='zip'", "allowed is 'sharded'"]),
     ("timeout-zero", BOTH, dict(timeout=0), {}, ["timeout=0", "allowed is a positive number of seconds"]),
+    ("timeout-inf", BOTH, dict(timeout=float("inf")), {}, ["timeout=inf", "allowed is a positive number", "finite"]),
+    ("timeout-nan", BOTH, dict(timeout=float("nan")), {}, ["timeout=nan", "allowed is a positive number", "finite"]),
+    ("timeout-past-timedelta", BOTH, dict(timeout=1e300), {}, ["timeout=1e+300", "finite (< 8.64e13 s)"]),
     ("timeout-negative-timedelta", BOTH, dict(timeout=timedelta(seconds=-1)), {},
      [re.compile(r"timeout=datetime.timedelta\(days=-1.*allowed is a positive number of seconds or a positive "
                  r"datetime.timedelta")]),
@@ -198,6 +201,10 @@ ROWS = [
      ["replica_sync='diloco'", "allowed is 'exact' with sharded_data_parallel_degree=2 and one replica group"]),
     ("diloco-one-replica-8", CONFIG, dict(replica_sync="diloco", sharded_data_parallel_degree=8), (8, 8),
      ["replica_sync='diloco'", "one replica group"]),
+    # under fault tolerance each torchrun job is one DiLoCo replica: replicas inside it would never be averaged
+    ("diloco-fault-tolerance-replicas-inside", CONFIG,
+     dict(replica_sync="diloco", fault_tolerance=True, sharded_data_parallel_degree=2), (4, 4),
+     ["sharded_data_parallel_degree=2", "allowed is 4 (one replica per group) with fault_tolerance=True"]),
     # against the precision (when the Trainer or Fabric is made)
     ("stop-with-16-mixed", TRAINER, dict(stop_on_nonfinite=True), dict(devices=2, plugins=["16-mixed"]),
      ["stop_on_nonfinite=True", "precision='16-mixed'", "allowed is False there"]),
@@ -253,6 +260,23 @@ def test_accepted(options):
     MiCSStrategy(**options)
 
 
+@pytest.mark.parametrize("front", [TRAINER, FABRIC])
+def test_kernels_triton_refused_where_its_kernels_cannot_run(front, monkeypatch):
+    """``kernels="triton"`` on CPU without the interpreter is refused when the Trainer or Fabric is made (before: the
+    first forward's bucket copy raised a RuntimeError naming no option, after the process groups existed); under
+    ``TRITON_INTERPRET=1`` (this suite's setting, conftest.py) it is accepted."""
+    from lightning_mics_kernels import _backend
+
+    monkeypatch.setattr(_backend, "_INTERPRETED", False)  # what a process without TRITON_INTERPRET=1 reads
+    with pytest.raises(ValueError) as err:
+        _make(front, dict(kernels="triton"), dict(devices=2))
+    assert "kernels='triton' is invalid here: on CPU tensors they run only under TRITON_INTERPRET=1" in str(err.value)
+    assert "allowed is 'auto' (Triton where it runs, torch elsewhere) or 'torch'" in str(err.value)
+    assert not dist.is_initialized()
+    monkeypatch.setattr(_backend, "_INTERPRETED", True)
+    _make(front, dict(kernels="triton"), dict(devices=2))
+
+
 def test_accepted_against_the_world():
     assert MiCSConfig(tensor_parallel_degree=2).validate_world(8, 8) == 4
     # [Note: quantized optimizer rows]: int8 with the rows over replicas (s > 1); at s = 1 (ZeRO-1) nothing to quantize
@@ -260,3 +284,6 @@ def test_accepted_against_the_world():
     # DiLoCo at s = 1 (every parameter replicated): its pseudo-gradients go in int8 all the same
     assert MiCSConfig(replica_sync="diloco", sharded_data_parallel_degree=1, quantize_gradients=True
                       ).validate_world(4, 4) == 1
+    # fault tolerance: s = every rank of the group's job (given, or ranks per node on one node)
+    assert MiCSConfig(replica_sync="diloco", fault_tolerance=True, sharded_data_parallel_degree=4).validate_world(4, 4) == 4
+    assert MiCSConfig(replica_sync="diloco", fault_tolerance=True).validate_world(2, 2) == 2
