@@ -20,7 +20,7 @@ def test_gpu_checks_run_on_cpu_and_compare_with_the_plain_process(tmp_path):
     cases = json.loads((out / "gpu_checks.json").read_text())["cases"]
     assert set(cases) == {"probe", "plain", "mics", "zero1", "ac_offload", "speed_ac_offload"}, cases
     assert all(cases["probe"][k] == "ok" for k in ("all_gather_single", "reduce_scatter_single", "all_reduce"))
-    assert cases["plain"]["max_abs_diff_vs_plain"] == 0.0
+    assert "error" not in cases["plain"], cases["plain"]  # the reference ran (its own difference is 0 by definition)
     for name in ("mics", "zero1", "ac_offload"):
         assert "error" not in cases[name], cases[name]
         assert cases[name]["max_abs_diff_vs_plain"] <= 1e-5, cases[name]  # clipping's norm sums in another order

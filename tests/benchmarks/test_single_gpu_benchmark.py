@@ -20,7 +20,6 @@ def test_single_device_benchmark_runs_and_matches_the_bare_loop(tmp_path):
     for r in rows.values():
         assert "error" not in r, r
         assert r["tokens_per_s"] > 0 and r["step_s"] > 0
-    assert rows["bare"]["vs_bare"] == 0.0
     assert rows["mics"]["vs_bare"] <= 1e-6, rows["mics"]
     assert rows["fsdp2"]["vs_bare"] <= 1e-6, rows["fsdp2"]  # the peer's case trains the same model too
     assert (out / "single_gpu.md").exists() and (out / "single_gpu.png").exists()

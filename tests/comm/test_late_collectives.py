@@ -18,7 +18,7 @@ EQUIV = REPO / "tests" / "engine" / "equiv.py"
 FABRIC = REPO / "tests" / "fabric" / "fabric_loop.py"
 BLOCK = "lightning_mics.app.models.gpt.Block"
 BASE = ["--model", "gpt", "--optimizer", "adamw", "--threshold", "0", "--layers", "3", "--steps", "2",
-        "--accum", "2", "--clip", "1.0", "--late", "0.03", "--keep-groups"]
+        "--accum", "2", "--clip", "1.0", "--late", "0.03", "--keep-groups", "--count"]
 STEPS = int(BASE[BASE.index("--steps") + 1])  # the optimizer steps every run takes (the second one
 # is the first with the optimizer's state and the residuals of a step before it)
 
@@ -89,6 +89,8 @@ def test_fabric_loops_equal_their_run_with_late_collectives(tmp_path):
         got = res[0][case]
         assert sum(got["issued"].values()) > 0, (case, got)
         assert got["bit_equal"], (case, got)
+        for r in res:  # the same collectives, in the same order, on every rank
+            assert r[case]["collectives"] > 0 and r[case]["same_comms"], (case, r[case])
 
 
 def test_a_read_before_wait_is_caught(tmp_path):

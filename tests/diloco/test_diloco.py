@@ -81,7 +81,8 @@ def test_h1_plain_outer_sgd_equals_exact_sync_and_one_plain_process(runs):
         assert (exact - plain).abs().max().item() <= FP32
         assert (diloco - plain).abs().max().item() <= FP32
         assert (diloco - exact).abs().max().item() <= FP32
-    assert (plain - torch.tensor(runs[0]["sims"][0]["params"][0])).abs().max() == 0
+    h1 = torch.tensor(runs[0]["sims"][1]["params"][0])  # the simulation of H = 1 with plain outer SGD
+    assert (h1 - plain).abs().max().item() <= FP32
     moved = (plain - torch.tensor(runs[0]["sims"][2]["params"][0])).abs().max().item()
     assert moved > 1e-3  # the other variants' trajectories are not this one (the comparison has power)
 

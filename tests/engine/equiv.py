@@ -246,8 +246,8 @@ def main():
 
 def compare_late(prompt, late):
     """The run whose collectives finished late against the prompt one: equal bit for bit (rank 0 holds the full
-    state), the same collectives issued."""
-    out = {"issued": late["late_issued"], "same_comms": prompt["comms"] == late["comms"],
+    state), the same collectives issued (counted with ``--count``: without it there are none, and no match)."""
+    out = {"issued": late["late_issued"], "same_comms": bool(prompt["comms"]) and prompt["comms"] == late["comms"],
            "global_step": late["global_step"]}
     if prompt["_full"] is not None:
         a, b = prompt["_full"], late["_full"]

@@ -131,7 +131,10 @@ def test_accumulation_and_clipping_match(clipped, variant):
 
 
 def test_memory_per_rank_is_one_over_s(adamw):
-    """Model state per rank (parameters, gradients, AdamW's two moments) against 1/s of the sharded part."""
+    """Model state per rank (parameters, gradients, AdamW's two moments) against 1/s of the sharded part, as the
+    engine counts the tensors it holds (``model_state_bytes``: the plain size is the module's own); memory measured
+    from outside the engine, where a copy it does not know of would show, is tests/engine/test_live_cap.py's and
+    tests/trainer/end_of_fit_memory.py's."""
     for k, s in enumerate((2, 4)):
         for r in adamw:
             assert "error" not in r["variants"][k], r["variants"][k]["error"]

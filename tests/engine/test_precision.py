@@ -46,5 +46,12 @@ def test_bf16_trains_close_to_fp32_reference(tmp_path, precision):
         for name, e in variant["errors"].items():
             assert e["rel_norm"] < 2e-2, (name, e)
             assert e["moved"] > 0
+        # over the whole model, the distance from the reference against the reference's own training: 8.9e-3
+        # (bf16-true) and 4.4e-3 (bf16-mixed) measured, 1 for a run that never stepped. (Per tensor that power is
+        # missing: under bf16-true an update below bf16's resolution, such as a LayerNorm weight's here, is lost
+        # where the fp32 reference keeps it.)
+        errors = variant["errors"].values()
+        off = sum((e["rel_update"] * e["moved"]) ** 2 for e in errors) ** 0.5
+        assert off <= 0.05 * sum(e["moved"] ** 2 for e in errors) ** 0.5, variant["errors"]
         if precision == "bf16-mixed":
             assert max(variant["policy_max_abs"].values()) <= 1e-6, variant["policy_max_abs"]

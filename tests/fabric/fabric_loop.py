@@ -200,6 +200,12 @@ def case_equiv(s, accum, kind, clip, how, precision="32-true", layout=""):
             plain_steps(ref, ref_opt, data, clip)
         res["rel"] = compare(final, ref.state_dict())
         res["rel_global"] = compare_global(final, ref.state_dict())
+        res["moved_global"] = compare_global(init, ref.state_dict())  # the reference's training, on the same scale
+        if how == "meta":  # materialized shard by shard: the values of a real-device build with the same seed
+            torch.manual_seed(0)
+            seeded = Tiny().to(torch.bfloat16) if precision == "bf16-true" else Tiny()
+            res["init_vs_seeded"] = max(float((init[k].float() - v.float()).abs().max())
+                                        for k, v in seeded.state_dict().items())
         if precision == "bf16-mixed":
             policy = Tiny()
             policy.load_state_dict(init)
@@ -609,8 +615,9 @@ def case_quant(s, accum, block, layout=""):
 
 
 def case_late(s, accum, kind, clip, precision="32-true", *options):
-    """The same loop with prompt collectives and with collectives that finish late: equal bit for bit."""
-    finals, issued = [], {}
+    """The same loop with prompt collectives and with collectives that finish late: equal bit for bit, the same
+    collectives issued by the loop (counted from the dispatcher)."""
+    finals, issued, comms = [], {}, []
     for delay in (0.0, 0.03):
         mode = LateCollectives(delay) if delay else None
         if mode is not None:
@@ -618,16 +625,18 @@ def case_late(s, accum, kind, clip, precision="32-true", *options):
         try:
             fabric = new_fabric(int(s), precision, **json.loads(":".join(options) or "{}"))  # (JSON has colons)
             model, opt, _ = setup(fabric, "split", kind, layers=3)
-            fabric_steps(fabric, model, opt, batches(int(accum)), clip, 0, STEPS)
-            with torch.no_grad():
-                model(batches(1)[0, 0, :2, :-1])  # a forward outside the loop, as a probe would
+            with CommCounter() as counter:
+                fabric_steps(fabric, model, opt, batches(int(accum)), clip, 0, STEPS)
+                with torch.no_grad():
+                    model(batches(1)[0, 0, :2, :-1])  # a forward outside the loop, as a probe would
+            comms.append(counter.events)
             finals.append(full_state(fabric, model))
         finally:
             if mode is not None:
                 mode.__exit__(None, None, None)
                 issued = dict(mode.issued)
     a, b = finals
-    res = {"issued": issued}
+    res = {"issued": issued, "collectives": len(comms[0]), "same_comms": comms[0] == comms[1]}
     if a:
         res["bit_equal"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
         res["max_abs"] = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)

@@ -42,8 +42,13 @@ def test_fabric_loop_equals_one_plain_process(four, case):
     bf16 = "bf16" in case
     if "bf16-mixed" in case:  # one process under MiCS's precision policy (fabric_loop.policy_loss): 0.0 to 2.4e-7
         assert r0["policy_max_abs"] <= 1e-6, r0
-    if bf16:  # against the fp32 reference under autocast: rounding to bf16 in another summation order
-        assert r0["rel_global"] <= 2e-2, r0
+    assert r0["moved_global"] > 5e-3, r0  # the reference trained: its distance from the initial state
+    if ":meta" in case:  # the reference starts from MiCS's initial state: that state is the seeded model's
+        assert r0["init_vs_seeded"] == 0.0, r0
+    if bf16:  # against the fp32 reference under autocast: rounding to bf16 in another summation order, a fifth of
+        # what training moved at most (1.8e-4 to 6.8e-3 measured against 8.8e-3 to 4.9e-2: a run that never
+        # stepped would be the whole distance away)
+        assert r0["rel_global"] <= min(2e-2, r0["moved_global"] / 5), r0
     elif ":adamw:" in case:
         assert r0["rel_global"] <= 1e-4, r0  # AdamW: globally
     else:

@@ -7,6 +7,7 @@ properties the engine relies on.
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -413,8 +414,9 @@ def test_quant_kernels_compile_for_sm90():
 
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("triton has no NVIDIA backend here")
+    nvidia = Path(list(importlib.util.find_spec("triton.backends.nvidia").submodule_search_locations)[0])
+    if not (os.environ.get("TRITON_PTXAS_PATH") or (nvidia / "bin" / "ptxas").exists() or shutil.which("ptxas")):
+        pytest.skip("no ptxas to assemble the PTX (triton's NVIDIA backend ships one in bin/)")  # else: a failure
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode and "ptxas" in r.stderr.lower():
-        pytest.skip(f"no usable ptxas: {r.stderr[-300:]}")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

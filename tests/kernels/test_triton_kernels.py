@@ -9,6 +9,7 @@ against plain-torch references (torch.cat / torch.split / torch._chunk_cat / tor
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -407,9 +408,10 @@ def test_compiles_for_sm90_with_vector_accesses():
     pytest.importorskip("triton")
     if importlib.util.find_spec("triton.backends.nvidia") is None:
         pytest.skip("triton has no NVIDIA backend here")
+    nvidia = Path(list(importlib.util.find_spec("triton.backends.nvidia").submodule_search_locations)[0])
+    if not (os.environ.get("TRITON_PTXAS_PATH") or (nvidia / "bin" / "ptxas").exists() or shutil.which("ptxas")):
+        pytest.skip("no ptxas to assemble the PTX (triton's NVIDIA backend ships one in bin/)")  # else: a failure
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     r = subprocess.run([sys.executable, "-c", COMPILE], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    if r.returncode and "ptxas" in r.stderr.lower():
-        pytest.skip(f"no usable ptxas: {r.stderr[-300:]}")
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]

@@ -402,6 +402,8 @@ def run_case(case, kind, world, rank, out):
             m, loader(classification_data(8 * world * BATCH), kind, world, rank))
     elif case == "torch_optim":  # each optimizer from the same initial values: {label: parameters after 3 steps}
         data = loader(classification_data(3 * world * BATCH), kind, world, rank)
+        L.seed_everything(0, verbose=False)
+        result["initial"] = params(TorchOptim())  # where every optimizer starts
         for name, options in TORCH_OPTIM:
             L.seed_everything(0, verbose=False)
             m = TorchOptim()
