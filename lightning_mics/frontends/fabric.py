@@ -84,7 +84,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self._step_hooks: List[Any] = []
         self._optimizers: List[Optimizer] = []  # set up, for teardown's plain switch
         self._steps = 0
-        self._losses: List[Tensor] = []  # stop_on_nonfinite: every backward's loss since the last step
+        self._losses = reliability.Losses()  # stop_on_nonfinite
         self._warned_flat = False
         self._backward_sync_control = _MiCSBackwardSync()
         self.comm_stats: Dict[str, float] = {}
@@ -110,8 +110,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if type(self.precision) not in (Precision, MixedPrecision, HalfPrecision) or precision not in _PRECISIONS:
             raise ValueError(f"Fabric precision plugin {type(self.precision).__name__} (precision={precision!r}) "
                              f"is not supported by MiCSStrategy: allowed precision is one of {_PRECISIONS}.")
-        shared.check_precision(self.options, precision)
-        shared.check_kernels(self.options, self.parallel_devices[0].type if self.parallel_devices else "cpu")
+        shared.check_before_launch(self.options, precision, self.root_device.type)
         if self.options.fault_tolerance:
             check_environment()
         return self.options.validate_world(self.num_nodes * self.num_processes, self._ranks_per_node())
@@ -198,7 +197,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         super().backward(tensor, module, *args, **kwargs)
         if self.options.stop_on_nonfinite:
-            self._losses.append(tensor.detach().float().reshape(-1))
+            self._losses.add(tensor)
         if self.fault_tolerance is not None and self._engines[0].sync_replicas:  # [Note: the cross-group average]
             self.fault_tolerance.average_gradients(self._engines[0])
 
@@ -220,9 +219,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     # -- the step ---------------------------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        if self.options.stop_on_nonfinite:  # the losses of every micro-batch since the last step, and the gradients
-            losses, self._losses = (torch.cat(self._losses) if self._losses else None), []
-            reliability.checked(lambda: losses, shared.unwrap(optimizer), lambda: self._steps, self.root_device)()
+        if self.options.stop_on_nonfinite:
+            reliability.checked(lambda: None, shared.unwrap(optimizer), lambda: self._steps, self.root_device,
+                                self._losses)()
         engine = shared.engine_holding(shared.unwrap(optimizer))
         step = nullcontext()
         # [Note: evaluations inside a step] in user_code/boundary.py

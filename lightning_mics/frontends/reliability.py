@@ -47,7 +47,7 @@ ZeRO-1's shown gradients, int8 blocks and offload read nothing.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,15 +116,31 @@ def _local_flags(loss: Optional[Tensor], params: Sequence[torch.nn.Parameter], d
     return flags
 
 
+class Losses:
+    """``stop_on_nonfinite``: the loss of every backward since the last optimizer step (a Trainer's closures and
+    ``manual_backward``, ``fabric.backward``), so a non-finite loss whose gradients are finite is seen too."""
+
+    def __init__(self) -> None:
+        self.seen: List[Tensor] = []
+
+    def add(self, loss: Tensor) -> None:
+        self.seen.append(loss.detach().float().reshape(-1))
+
+    def take(self) -> Optional[Tensor]:
+        seen, self.seen = self.seen, []
+        return torch.cat(seen) if seen else None
+
+
 def checked(closure: Callable[[], Any], optimizer: torch.optim.Optimizer, step: Callable[[], int],
-            device: torch.device) -> Callable[[], Any]:
-    """``stop_on_nonfinite``: ``closure`` followed by :func:`check_finite` (after the boundary micro-batch's
-    forward and backward, gradients reduced; before clipping and the optimizer step)."""
+            device: torch.device, losses: Losses) -> Callable[[], Any]:
+    """``stop_on_nonfinite``: ``closure`` followed by :func:`check_finite` of ``losses`` (the closure's own among
+    them) and the gradients (after the boundary micro-batch's forward and backward, gradients reduced; before
+    clipping and the optimizer step)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
 
     def run() -> Any:
         loss = closure()
-        check_finite(loss, params, step(), device)
+        check_finite(losses.take(), params, step(), device)
         return loss
 
     return run

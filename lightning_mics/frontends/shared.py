@@ -177,17 +177,13 @@ def connect(cluster_environment: Any, backend: Optional[str], device: torch.devi
     return backend
 
 
-def check_precision(options: MiCSOptions, precision: Optional[str]) -> None:
-    """Options that a precision rules out, refused before any process starts (both front ends)."""
+def check_before_launch(options: MiCSOptions, precision: Optional[str], device_type: str) -> None:
+    """Options that the precision or the device rules out, refused before any process starts (both front ends):
+    ``kernels="triton"`` where its kernels cannot run would fail at the first forward's bucket copy otherwise."""
     if options.stop_on_nonfinite and precision == "16-mixed":
         raise ValueError("MiCSStrategy option stop_on_nonfinite=True is invalid with precision='16-mixed': "
                          "allowed is False there (the loss scaler skips a step with inf/NaN gradients on every "
                          "rank and lowers the scale); True with any other precision.")
-
-
-def check_kernels(options: MiCSOptions, device_type: str) -> None:
-    """``kernels="triton"`` where Triton's kernels cannot run, refused before any process starts (both front ends),
-    not at the first forward's bucket copy."""
     why = triton_unusable(device_type) if options.kernels == "triton" else None
     if why is not None:
         raise ValueError(f"MiCSStrategy option kernels='triton' is invalid here: {why}; allowed is 'auto' (Triton "

@@ -97,6 +97,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.options: MiCSOptions = config_from(options).freeze()  # [Note: one option list] in options.py
+        self._losses = reliability.Losses()  # stop_on_nonfinite
         shared.check_checkpoint_io(self.options, checkpoint_io)
         # class names resolve now, before any process or collective, with the option named in the error
         resolve_classes(self.options.shard_units, "shard_units")
@@ -171,8 +172,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self._validate_layout()  # before any process is launched: every rank would raise alike anyway
         if self.options.fault_tolerance:
             check_environment()
-        shared.check_precision(self.options, self.precision_plugin.precision)
-        shared.check_kernels(self.options, self.parallel_devices[0].type if self.parallel_devices else "cpu")
+        shared.check_before_launch(self.options, self.precision_plugin.precision, self.root_device.type)
         if not self.cluster_environment.creates_processes_externally:
             if self._start_method == "popen":
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
@@ -304,8 +304,8 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         if self.options.stop_on_nonfinite:
-            trainer = self.lightning_module.trainer
-            closure = reliability.checked(closure, shared.unwrap(optimizer), lambda: trainer.global_step, self.root_device)
+            closure = reliability.checked(closure, shared.unwrap(optimizer), lambda t=self.lightning_module.trainer:
+                                          t.global_step, self.root_device, self._losses)
         if self.fault_tolerance is not None:  # [Note: a step not taken] in fault_tolerance/groups.py
             out = self.fault_tolerance.step(closure, lambda c: ParallelStrategy.optimizer_step(
                 self, optimizer, c, model, **kwargs))
@@ -316,7 +316,9 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: Tensor) -> None:
-        """[Note: the cross-group average] in fault_tolerance/groups.py, at the end of an accumulation window."""
+        """The loss for stop_on_nonfinite; [Note: the cross-group average] in fault_tolerance/groups.py."""
+        if self.options.stop_on_nonfinite:
+            self._losses.add(closure_loss)
         if self.fault_tolerance is not None and self._engine is not None and self._engine.sync_replicas:
             self.fault_tolerance.average_gradients(self._engine)
 

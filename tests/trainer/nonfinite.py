@@ -3,6 +3,8 @@
 Phases (in order, one process group):
     loss     rank --bad-rank's loss is NaN at step BAD_STEP: every rank raises NonFiniteError naming the step
     grad     rank --bad-rank's loss is finite but its gradient is NaN at step BAD_STEP (a hook on the loss)
+    added    NaN added to rank --bad-rank's loss (its gradients finite) at step BAD_STEP: in the first of two
+             accumulated micro-batches (accumulation 2), and under manual optimization (``manual``)
     count    3 optimizer steps with the option off and on, no NaN: the c10d collectives per step
     off      the option off, NaN loss at BAD_STEP: nothing stops (as before this option)
 """
@@ -45,10 +47,26 @@ class Module(L.LightningModule):
                 loss = loss * float("nan")
             elif self.bad == "grad":
                 loss.register_hook(lambda g: g * float("nan"))
+            elif self.bad == "added" and idx % 2 == 0:  # the window's first micro-batch (or every batch, manual)
+                loss = loss + float("nan")  # the gradients stay finite
         return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Manual(Module):
+    """The same step under manual optimization: ``manual_backward``, then the optimizer's step."""
+
+    def __init__(self, bad, bad_rank):
+        super().__init__(bad, bad_rank)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(super().training_step(batch, 0))
+        opt.step()
 
 
 class Count(Callback):
@@ -64,17 +82,17 @@ class Count(Callback):
         self.per_step.append([[op, list(g) if g else None] for op, g, _ in self.mode.events])
 
 
-def fit(world, rank, on, bad, bad_rank, steps, callbacks=()):
+def fit(world, rank, on, bad, bad_rank, steps, callbacks=(), accum=1, manual=False):
     torch.manual_seed(0)
     x = torch.randint(0, 61, (64 * world, 13))
     ds = TensorDataset(x[:, :-1], x[:, 1:])
     dl = DataLoader(ds, batch_size=4, sampler=DistributedSampler(ds, world, rank, shuffle=False))
     trainer = L.Trainer(accelerator="cpu", devices=world, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        use_distributed_sampler=False, callbacks=list(callbacks),
+                        use_distributed_sampler=False, callbacks=list(callbacks), accumulate_grad_batches=accum,
                         strategy=MiCSStrategy(sharded_data_parallel_degree=2, param_persistence_threshold=0,
                                               stop_on_nonfinite=on))
-    module = Module(bad, bad_rank)
+    module = (Manual if manual else Module)(bad, bad_rank)
     error = None
     try:
         trainer.fit(module, dl)
@@ -94,6 +112,8 @@ def main():
         "loss": fit(world, rank, True, "loss", args.bad_rank, 8),
         "grad": fit(world, rank, True, "grad", args.bad_rank, 8),
         "off": fit(world, rank, False, "loss", args.bad_rank, BAD_STEP + 2),
+        "added": fit(world, rank, True, "added", args.bad_rank, 8, accum=2),
+        "added_manual": fit(world, rank, True, "added", args.bad_rank, 8, manual=True),
     }
     for on in (False, True):
         counter = Count()

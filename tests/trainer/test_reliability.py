@@ -141,6 +141,17 @@ def test_a_nonfinite_gradient_with_a_finite_loss_stops_every_rank(nonfinite):
         assert "loss on rank" not in got["error"] and got["global_step"] == 3 and got["params_finite"], got
 
 
+@pytest.mark.parametrize("phase", ["added", "added_manual"])
+def test_a_nonfinite_loss_with_finite_gradients_stops_every_rank(nonfinite, phase):
+    """Every backward's loss since the last step is checked, not only the closure's: a NaN added to the first of
+    two accumulated micro-batches' loss, or under manual optimization (before, neither was seen: the step's closure
+    held the boundary micro-batch's loss, or none)."""
+    for r in nonfinite:
+        got = r[phase]
+        assert "optimizer step 3 " in got["error"] and "loss on rank(s) [1]" in got["error"], got
+        assert "gradient norm" not in got["error"] and got["global_step"] == 3 and got["params_finite"], got
+
+
 def test_off_by_default_nothing_stops(nonfinite):
     for r in nonfinite:
         assert r["off"]["error"] is None and r["off"]["global_step"] == 5 and not r["off"]["params_finite"]
