@@ -325,7 +325,7 @@ class MiCSConfig:
         given = self.timeout  # seconds, or a timedelta as Lightning's own strategies take it
         seconds = given.total_seconds() if isinstance(given, timedelta) else given
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < _MAX_TIMEOUT_S:
-            _fail("timeout", given, "a positive number of seconds or a positive datetime.timedelta, finite (< 8.64e13 s)")
+            _fail("timeout", given, f"a positive number of seconds or a positive datetime.timedelta, < {_MAX_TIMEOUT_S:.3g} s")
         self.timeout = float(seconds)
         if not isinstance(self.stop_on_nonfinite, bool):
             _fail("stop_on_nonfinite", self.stop_on_nonfinite, "True or False")

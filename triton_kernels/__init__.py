@@ -33,4 +33,5 @@ from .quant_api import Quantized, dequantize, dequantize_sum, quantize
 
 __all__ = ["AUTO_MIN_NUMEL", "BACKENDS", "MAX_BLOCK_SIZE", "QuantLayout", "Quantized", "SUPPORTED_DTYPES",
            "TableStats", "chunk_cat", "chunk_split", "dequantize", "dequantize_sum", "flatten", "quant_layout",
-           "quantize", "reset_table_stats", "scatter", "table_stats", "triton_available", "triton_unusable", "wire_views"]
+           "quantize", "reset_table_stats", "scatter", "table_stats", "triton_available", "triton_unusable",
+           "wire_views"]

@@ -218,9 +218,9 @@ class ActivationCheckpointing:
                 seg.gen = None
                 raise ValueError(
                     f"MiCSStrategy option checkpoint_group_size={max(map(len, self.groups))} is invalid for this "
-                    f"model: allowed is 1 here. Grouped checkpointing replays a group block by block, feeding each block "
-                    f"the previous one's output; {type(module).__name__} (block {j} of its group) got another first "
-                    f"input.")
+                    f"model: allowed is 1 here. Grouped checkpointing replays a group block by block, feeding each "
+                    f"block the previous one's output; {type(module).__name__} (block {j} of its group) got another "
+                    f"first input.")
             # Not the first input: the replay feeds each block the previous one's output, and holding the
             # inputs here would keep every block's input alive until backward (so grouping and offload kept all)
             seg.calls.append((args[1:], kwargs))

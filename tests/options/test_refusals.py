@@ -73,9 +73,9 @@ ROWS = [
     ("state-dict-type-x", BOTH, dict(state_dict_type="x"), {}, ["state_dict_type='x'", "allowed is 'sharded'", "'full'"]),
     ("state-dict-type-zip", CONFIG, dict(state_dict_type="zip"), None, ["state_dict_type='zip'", "allowed is 'sharded'"]),
     ("timeout-zero", BOTH, dict(timeout=0), {}, ["timeout=0", "allowed is a positive number of seconds"]),
-    ("timeout-inf", BOTH, dict(timeout=float("inf")), {}, ["timeout=inf", "allowed is a positive number", "finite"]),
-    ("timeout-nan", BOTH, dict(timeout=float("nan")), {}, ["timeout=nan", "allowed is a positive number", "finite"]),
-    ("timeout-past-timedelta", BOTH, dict(timeout=1e300), {}, ["timeout=1e+300", "finite (< 8.64e13 s)"]),
+    ("timeout-inf", BOTH, dict(timeout=float("inf")), {}, ["timeout=inf", "allowed is a positive number", "< 8.64e+13 s"]),
+    ("timeout-nan", BOTH, dict(timeout=float("nan")), {}, ["timeout=nan", "allowed is a positive number", "< 8.64e+13 s"]),
+    ("timeout-past-timedelta", BOTH, dict(timeout=1e300), {}, ["timeout=1e+300", "datetime.timedelta, < 8.64e+13 s"]),
     ("timeout-negative-timedelta", BOTH, dict(timeout=timedelta(seconds=-1)), {},
      [re.compile(r"timeout=datetime.timedelta\(days=-1.*allowed is a positive number of seconds or a positive "
                  r"datetime.timedelta")]),
