@@ -102,10 +102,9 @@ def optimizer_state_only(cfg: Any) -> bool:
 
 
 def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> None:
-    """A quantization option that would not act on this layout is refused ([Note: quantized traffic]): the
-    replica all-reduce needs sharded parameters (s > 1) and several replicas (r > 1); the int8 gather hop needs
-    the two-hop gather (a sharding group of whole nodes, no tensor-parallel axis, ``hierarchical_allgather``
-    not False)."""
+    """An option that would not act on this layout is refused ([Note: quantized traffic]): the int8 replica
+    all-reduce needs sharded parameters (s > 1) and several replicas (r > 1); the two-hop gather (and its int8
+    hop) a sharding group of whole nodes, no tensor-parallel axis (and ``hierarchical_allgather`` not False)."""
     diloco = cfg.replica_sync == "diloco"  # acts with s = 1 too; under fault tolerance the groups are its replicas
     if cfg.quantize_gradients is not False and (s == 1 and not diloco or r == 1 and not (diloco and cfg.fault_tolerance)):
         why = "every parameter stays replicated with s = 1 and their all-reduce is not quantized" if s == 1 else \
@@ -113,7 +112,10 @@ def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> 
         _fail("quantize_gradients", cfg.quantize_gradients,
               f"False with sharded_data_parallel_degree={s} and {r} replica(s): {why}")
     p, t = ranks_per_node, cfg.tensor_parallel_degree
-    two_hop = t == 1 and s > p and s % p == 0 and cfg.hierarchical_allgather is not False
+    possible = t == 1 and s > p and s % p == 0  # a sharding group of whole nodes (Layout.hierarchical_possible)
+    if cfg.hierarchical_allgather and not possible:
+        _fail("hierarchical_allgather", True, f"None or False where a sharding group of {s} ranks does not span whole nodes of {p} (t={t})")
+    two_hop = possible and cfg.hierarchical_allgather is not False
     if cfg.quantize_allgather and not two_hop:
         _fail("quantize_allgather", True,
               f"False unless the parameter gather takes two hops (a sharding group of whole nodes: s={s} with "
@@ -267,9 +269,7 @@ class MiCSConfig:
         )
         self.ranks_per_node = _int_like("ranks_per_node", self.ranks_per_node, 1, allow_none=True)
         self.reduce_bucket_size = _int_like("reduce_bucket_size", self.reduce_bucket_size, 1)
-        self.param_persistence_threshold = _int_like(
-            "param_persistence_threshold", self.param_persistence_threshold, 0
-        )
+        self.param_persistence_threshold = _int_like("param_persistence_threshold", self.param_persistence_threshold, 0)
         self.max_live_parameters = _int_like("max_live_parameters", self.max_live_parameters, 1)
         self.prefetch = _int_like("prefetch", self.prefetch, 0)
         self.checkpoint_group_size = _int_like("checkpoint_group_size", self.checkpoint_group_size, 1)

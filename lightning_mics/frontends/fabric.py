@@ -32,7 +32,6 @@ from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessS
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
@@ -85,7 +84,6 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self._optimizers: List[Optimizer] = []  # set up, for teardown's plain switch
         self._steps = 0
         self._losses = reliability.Losses()  # stop_on_nonfinite
-        self._warned_flat = False
         self._backward_sync_control = _MiCSBackwardSync()
         self.comm_stats: Dict[str, float] = {}
         # [Note: fault-tolerant replica groups] in options.py: the managed group, once the optimizer is set up
@@ -150,17 +148,12 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         if any(e.root is module for e in self._engines):
             raise ValueError("MiCSStrategy: this module is already set up; allowed is one fabric.setup or "
                              "fabric.setup_module per module.")
-        warn = None if self._warned_flat else self._warn_flat
-        options = self.options.resolved(self.precision.precision, shared.hierarchical(self.options, self.topology, warn))
+        options = self.options.resolved(self.precision.precision, shared.hierarchical(self.options, self.topology))
         engine = shared.shard(module, self.topology, options, self.root_device, optimizers)
         self._engines.append(engine)
         shared.log_model_state(engine, self.global_rank, _log)
         engine.pin()  # ZeRO-1: plain parameters from setup on; an optimizer built from them is pointed at the shards
         return module
-
-    def _warn_flat(self, message: str) -> None:
-        self._warned_flat = True  # once per strategy
-        rank_zero_warn(message)
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

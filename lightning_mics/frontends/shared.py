@@ -51,7 +51,7 @@ import gc
 import logging
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -223,17 +223,10 @@ def build_mesh(options: MiCSOptions, world_size: int, ranks_per_node: int, devic
 # sub-group of the topology gets the option's value once it exists.
 
 
-def hierarchical(options: MiCSOptions, topology: Topology, warn: Optional[Callable[[str], None]]) -> bool:
-    """Two hops whenever a shard group spans whole nodes, unless turned off; asked for where it cannot apply,
-    ``warn`` (None: already warned) and the flat gather."""
-    layout = topology.layout
-    wanted = options.hierarchical_allgather
-    if wanted and not layout.hierarchical_possible and warn is not None:
-        warn(f"MiCSStrategy(hierarchical_allgather=True): a sharding group of {layout.shard_size} ranks "
-             + ("interleaves with tensor-parallel ranks" if layout.tp_size > 1 else
-                "sits inside one node" if not layout.spans_nodes else "does not span whole nodes")
-             + f" of {layout.ranks_per_node} ranks; using the flat all-gather.")
-    return layout.hierarchical_possible and wanted is not False
+def hierarchical(options: MiCSOptions, topology: Topology) -> bool:
+    """Two hops whenever a shard group spans whole nodes, unless turned off (asked for where it cannot apply:
+    refused by ``MiCSConfig.validate_world``)."""
+    return topology.layout.hierarchical_possible and options.hierarchical_allgather is not False
 
 
 # -- sharded <-> plain ----------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
@@ -113,7 +112,6 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
         self._step_hooks: List[Any] = []
         self._failed = False
         self._loaded_from = "checkpoint"
-        self._warned_flat = False
         self.comm_stats: Dict[str, float] = {}
         # [Note: fault-tolerant replica groups] in options.py: the managed group, while a fit runs
         self.fault_tolerance: Optional[FaultTolerance] = None
@@ -125,10 +123,6 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
     def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:  # Trainer(plugins=[io]) sets it here
         shared.check_checkpoint_io(self.options, io)
         self._checkpoint_io = io
-
-    def _warn_flat(self, message: str) -> None:
-        self._warned_flat = True  # once per strategy
-        rank_zero_warn(message)
 
     # -- layout -------------------------------------------------------------------------------------
     @property
@@ -221,9 +215,7 @@ class MiCSStrategy(shared.ProcessLayout, ParallelStrategy):
                 trainer, self.engine, [shared.unwrap(o) for o in self.optimizers], self.root_device, self.options)
 
     def _engine_options(self) -> MiCSOptions:
-        warn = None if self._warned_flat else self._warn_flat
-        return self.options.resolved(self.precision_plugin.precision,
-                                     shared.hierarchical(self.options, self.topology, warn))
+        return self.options.resolved(self.precision_plugin.precision, shared.hierarchical(self.options, self.topology))
 
     def _shard_model(self, fitting: bool) -> None:
         """[Note: optimizers follow the module] in frontends/shared.py: a fit builds its optimizers afresh after this;

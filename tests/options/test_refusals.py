@@ -199,6 +199,13 @@ ROWS = [
      ["replica_sync='diloco'", "allowed is 'exact' with sharded_data_parallel_degree=4 and one replica group"]),
     ("fabric-diloco-one-replica", FABRIC, dict(replica_sync="diloco", sharded_data_parallel_degree=2), dict(devices=2),
      ["replica_sync='diloco'", "allowed is 'exact' with sharded_data_parallel_degree=2 and one replica group"]),
+    # two hops asked for where the sharding group is not several whole nodes (before: a warning, the flat gather)
+    ("two-hop-inside-one-node", CONFIG, dict(sharded_data_parallel_degree=2, hierarchical_allgather=True), (8, 4),
+     ["hierarchical_allgather=True", "allowed is None or False where a sharding group of 2 ranks does not span"]),
+    ("two-hop-one-whole-node", CONFIG, dict(sharded_data_parallel_degree=4, hierarchical_allgather=True), (8, 4),
+     ["hierarchical_allgather=True", "of 4 ranks does not span whole nodes of 4"]),
+    ("two-hop-zero1", CONFIG, dict(shard_optimizer_state=True, hierarchical_allgather=True), (8, 4),
+     ["hierarchical_allgather=True", "a sharding group of 1 ranks"]),
     ("diloco-one-replica-8", CONFIG, dict(replica_sync="diloco", sharded_data_parallel_degree=8), (8, 8),
      ["replica_sync='diloco'", "one replica group"]),
     # under fault tolerance each torchrun job is one DiLoCo replica: replicas inside it would never be averaged
@@ -279,6 +286,7 @@ def test_kernels_triton_refused_where_its_kernels_cannot_run(front, monkeypatch)
 
 def test_accepted_against_the_world():
     assert MiCSConfig(tensor_parallel_degree=2).validate_world(8, 8) == 4
+    assert MiCSConfig(sharded_data_parallel_degree=8, hierarchical_allgather=True).validate_world(8, 4) == 8
     # [Note: quantized optimizer rows]: int8 with the rows over replicas (s > 1); at s = 1 (ZeRO-1) nothing to quantize
     MiCSConfig(shard_optimizer_state=True, sharded_data_parallel_degree=2, quantize_gradients=True).validate_world(4, 2)
     # DiLoCo at s = 1 (every parameter replicated): its pseudo-gradients go in int8 all the same
