@@ -37,6 +37,7 @@ def test_cpu_seconds_counts_the_orphan_too():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="process accounting (acct(2)) needs root")
+@pytest.mark.xdist_group("process_accounting")  # one accounting file per machine: two censuses at once steal records
 @pytest.mark.skipif("CENSUS_DIR" in os.environ, reason="a census of the suite is running: accounting is one per machine")
 def test_process_census_records_each_process_by_kind(tmp_path):
     """Accounting's CPU times are samples at the kernel's ticks, which on a loaded machine may be far off for one
@@ -52,6 +53,7 @@ def test_process_census_records_each_process_by_kind(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="process accounting (acct(2)) needs root")
+@pytest.mark.xdist_group("process_accounting")  # one accounting file per machine: two censuses at once steal records
 @pytest.mark.skipif("CENSUS_DIR" in os.environ, reason="a census of the suite is running: accounting is one per machine")
 def test_process_census_puts_each_process_on_its_test(tmp_path):
     """Run as a pytest command, the census's plugin logs each test's window: the interpreter a test starts is put on
