@@ -101,7 +101,7 @@ def optimizer_state_only(cfg: Any) -> bool:
     return cfg.shard_optimizer_state and cfg.sharded_data_parallel_degree in (None, 1)
 
 
-def check_quantization_layout(cfg: Any, s: int, r: int, ranks_per_node: int) -> None:
+def check_layout_options(cfg: Any, s: int, r: int, ranks_per_node: int) -> None:
     """An option that would not act on this layout is refused ([Note: quantized traffic]): the int8 replica
     all-reduce needs sharded parameters (s > 1) and several replicas (r > 1); the two-hop gather (and its int8
     hop) a sharding group of whole nodes, no tensor-parallel axis (and ``hierarchical_allgather`` not False)."""
@@ -356,7 +356,7 @@ class MiCSConfig:
             what = f"the world size {world_size}" if t == 1 else \
                 f"the data-parallel size {dp} (world {world_size} / tensor_parallel_degree {t})"
             _fail("sharded_data_parallel_degree", s, f"a divisor of {what}: {divisors}")
-        check_quantization_layout(self, s, dp // s, ranks_per_node)
+        check_layout_options(self, s, dp // s, ranks_per_node)
         check_diloco_layout(self, s, dp // s)
         return s
 
